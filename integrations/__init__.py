@@ -1,0 +1,1 @@
+"""ragkv.integrations: HuggingFace generate wrapper and LlamaIndex components."""

