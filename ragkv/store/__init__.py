@@ -1,1 +1,33 @@
-"""Content-addressed chunk K/V storage: entry codec, backends, tiers."""
+"""Content-addressed chunk K/V storage: entry codec, backends, tiers. See README.md."""
+
+from ragkv.store.base import KVStore
+from ragkv.store.entry import (
+    ChunkKV,
+    EncodedEntry,
+    EntryMeta,
+    StoredLayer,
+    decode_header,
+    decode_layer,
+    encode,
+    encode_stored,
+    quantize_layer,
+)
+from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
+from ragkv.store.uri import open_store
+
+__all__ = [
+    "ChunkKV",
+    "CorruptEntry",
+    "EncodedEntry",
+    "EntryMeta",
+    "KVStore",
+    "StoreError",
+    "StoreFull",
+    "StoredLayer",
+    "decode_header",
+    "decode_layer",
+    "encode",
+    "encode_stored",
+    "open_store",
+    "quantize_layer",
+]

@@ -1,0 +1,278 @@
+"""``KVStore``: the interface every backend (memory, disk, redis, tiered) implements.
+
+Public API and who calls it
+---------------------------
+- engine / prefill path: ``contains(key)`` before prefilling a chunk; ``put(meta, layers_kv)`` after
+  (idempotent: False when the key is already present, may be called twice or by several processes).
+- engine / read path: ``get_meta(key)`` (header only), ``get_layer(key, i)`` (one layer, storage
+  dtype, for layer-streamed loading), ``get(key)`` (all layers decoded to the model dtype).
+  Returned tensors are owned by the caller (in-place writes never reach the store).
+- TieredStore: ``put_encoded(key, enc)`` / ``get_encoded(key)`` to copy an entry between tiers
+  without re-quantizing.
+- engine around a request: ``with store.pin(keys):`` keeps those entries from eviction (re-entrant,
+  reference counted, per process).
+- operators / CLI: ``keys()``, ``stats()``, ``delete(key)``, ``clear()``, ``close()``.
+
+Reads never raise for bad data or an unreachable backend: a corrupt entry (``CorruptEntry``) is
+counted, removed and returned as a miss; an I/O or connection error is counted as an error and
+returned as a miss. Writes of a single backend raise ``StoreError``/``StoreFull``.
+
+Backend hooks (abstract): ``uri``, ``_load``, ``_store``, ``_remove``, ``keys``. Optional with
+defaults: ``contains``, ``clear``, ``_usage``, ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from torch import Tensor
+
+from ragkv.store.entry import (
+    ChunkKV,
+    EncodedEntry,
+    EntryMeta,
+    Layout,
+    StoredLayer,
+    decode_header,
+    decode_layer,
+    encode,
+)
+from ragkv.store.errors import CorruptEntry, StoreError
+
+log = logging.getLogger("ragkv.store")
+
+Loaded = tuple[bytes, Layout, list]  # header bytes, parsed layout, requested blobs (in order)
+
+
+class KVStore(ABC):
+    verify_reads: bool = True  # checksum + finiteness on every read (MemoryStore turns it off)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._counts: Counter[str] = Counter()
+        self._pinned: Counter[str] = Counter()
+
+    # ---- backend hooks ------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def uri(self) -> str: ...
+
+    @abstractmethod
+    def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
+        """Fetch the header and the blobs of ``layers`` (None: header only -> empty list; all
+        indices: every blob). Returns None when absent. Must validate the header with
+        ``decode_header(header, key)``; raises CorruptEntry on bad bytes, StoreError/OSError on
+        I/O trouble, IndexError for a layer index outside the entry."""
+
+    @abstractmethod
+    def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
+        """Write a validated entry so that readers see all of it or nothing. ``owned``: the blobs
+        are fresh buffers nobody else holds (no defensive copy needed). False if already present."""
+
+    @abstractmethod
+    def _remove(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]: ...
+
+    def contains(self, key: str) -> bool:
+        try:
+            return self._load(key, None) is not None
+        except (CorruptEntry, StoreError, OSError):
+            return False
+
+    def clear(self) -> None:
+        for k in list(self.keys()):
+            self._remove(k)
+
+    def _usage(self) -> dict:
+        return {"entries": None, "bytes": None}
+
+    def close(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Release connections / flush the index. Safe to call twice."""
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def put(self, meta: EntryMeta, layers_kv: Sequence[tuple[Tensor, Tensor]]) -> bool:
+        """Quantize per meta.storage_dtype and store. False (and no work) if already present."""
+        if self.contains(meta.key):
+            self._count("put_skipped")
+            return False
+        enc = encode(meta, list(layers_kv))
+        _, layout = decode_header(enc.header, meta.key)
+        return self._put(meta.key, enc, layout, owned=True)
+
+    def put_encoded(self, key: str, enc: EncodedEntry) -> bool:
+        """Store an already encoded entry (e.g. from another tier). Raises ValueError when the
+        header is invalid or bound to another key; blob checksums are verified."""
+        try:
+            _, layout = decode_header(enc.header, key)
+            if len(enc.blobs) != len(layout.layers):
+                raise CorruptEntry(f"{len(enc.blobs)} blobs for {len(layout.layers)} layers")
+            if self.verify_reads is False:  # a store that will not verify on read verifies now
+                for i, b in enumerate(enc.blobs):
+                    decode_layer(layout, i, b, verify=True)
+            else:
+                for i, b in enumerate(enc.blobs):
+                    if len(b) != layout.layers[i].nbytes:
+                        raise CorruptEntry(
+                            f"layer {i}: {len(b)} bytes, header says {layout.layers[i].nbytes}"
+                        )
+        except CorruptEntry as e:
+            raise ValueError(f"put_encoded({key!r}): invalid entry: {e}") from None
+        if self.contains(key):
+            self._count("put_skipped")
+            return False
+        return self._put(key, enc, layout, owned=False)
+
+    def get_meta(self, key: str) -> EntryMeta | None:
+        r = self._guarded(key, None)
+        return None if r is None else r[1].meta
+
+    def get_layer(self, key: str, i: int) -> StoredLayer | None:
+        """One layer in storage dtype (int8 + scales when quantized); ``.dequantize(dtype)``."""
+        r = self._guarded(key, [i])
+        if r is None:
+            return None
+        try:
+            return decode_layer(r[1], i, r[2][0], verify=self.verify_reads)
+        except CorruptEntry as e:
+            self._corrupt(key, e)
+            return None
+
+    def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
+        r = self._get_full(key)
+        return None if r is None else (r[1].meta, r[3])
+
+    def get_encoded(self, key: str) -> EncodedEntry | None:
+        """The verified entry bytes (for copying between tiers)."""
+        r = self._get_full(key)
+        return None if r is None else EncodedEntry(r[0], r[2])
+
+    def get(self, key: str) -> ChunkKV | None:
+        """All layers decoded to the model dtype."""
+        r = self._get_full(key)
+        if r is None:
+            return None
+        meta = r[1].meta
+        return ChunkKV(meta, [layer.dequantize(meta.model_dtype) for layer in r[3]])
+
+    def delete(self, key: str) -> bool:
+        return self._remove(key)
+
+    def stats(self) -> dict:
+        with self._lock:
+            c = dict(self._counts)
+        out = {"uri": self.uri, **self._usage()}
+        for name in ("hits", "misses", "corruptions", "evictions", "puts", "put_skipped", "errors"):
+            out[name] = c.pop(name, 0)
+        out.update(c)
+        return out
+
+    @contextmanager
+    def pin(self, keys: Iterable[str]):
+        """Entries pinned here are never evicted while the context is open (this process)."""
+        keys = list(keys)
+        with self._lock:
+            self._pinned.update(keys)
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._pinned.subtract(keys)
+                self._pinned = +self._pinned  # drop zero counts
+
+    def is_pinned(self, key: str) -> bool:
+        with self._lock:
+            return self._pinned[key] > 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    # ---- internal helpers ---------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _put(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
+        ok = self._store(key, enc, layout, owned)
+        self._count("puts" if ok else "put_skipped")
+        return ok
+
+    def _corrupt(self, key: str, err: Exception) -> None:
+        self._count("corruptions")
+        self._count("misses")
+        log.warning("%s: corrupt entry %s removed: %s", self.uri, key, err)
+        try:
+            self._remove(key)
+        except (StoreError, OSError) as e:  # pragma: no cover - best effort
+            log.warning("%s: could not remove corrupt entry %s: %s", self.uri, key, e)
+
+    def _guarded(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
+        try:
+            r = self._load(key, layers)
+        except CorruptEntry as e:
+            self._corrupt(key, e)
+            return None
+        except (StoreError, OSError) as e:
+            self._count("errors")
+            self._count("misses")
+            log.debug("%s: read of %s failed: %s", self.uri, key, e)
+            return None
+        self._count("hits" if r is not None else "misses")
+        return r
+
+    def _get_full(self, key: str) -> tuple[bytes, Layout, list, list[StoredLayer]] | None:
+        try:
+            r = self._load(key, range(_ALL))
+            if r is None:
+                self._count("misses")
+                return None
+            header, layout, blobs = r
+            stored = [decode_layer(layout, i, b, verify=self.verify_reads) for i, b in enumerate(blobs)]
+        except CorruptEntry as e:
+            self._corrupt(key, e)
+            return None
+        except (StoreError, OSError) as e:
+            self._count("errors")
+            self._count("misses")
+            log.debug("%s: read of %s failed: %s", self.uri, key, e)
+            return None
+        self._count("hits")
+        return header, layout, blobs, stored
+
+
+_ALL = 1 << 30  # ``range(_ALL)`` passed to _load means "every layer"
+
+
+def wants_all(layers: Sequence[int] | None) -> bool:
+    return isinstance(layers, range) and layers == range(_ALL)
+
+
+def size_from_str(s: str | int | None) -> int | None:
+    """'10G' / '512M' / '1GiB' / '123' -> bytes; None/'' / 'none' -> None (unbounded)."""
+    if s is None or isinstance(s, int):
+        return s
+    t = s.strip().lower().replace("ib", "").rstrip("b")
+    if t in ("", "none", "inf", "0"):
+        return None if t != "0" else 0
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    try:
+        if t[-1] in mult:
+            return int(float(t[:-1]) * mult[t[-1]])
+        return int(t)
+    except ValueError:
+        raise ValueError(f"bad size {s!r}: use bytes or a number with K, M, G or T") from None

@@ -1,0 +1,332 @@
+"""Embedded on-disk store: one file per entry, safe for several processes sharing a directory.
+
+Layout under ``root``::
+
+    objects/<2 hex fan-out>/<key>.kv     header | pad to 64 | blob 0 | blob 1 | ...
+    objects/<xx>/.tmp-<key>-<pid>-<rand> in-flight writes (removed on failure, swept when stale)
+    index.json                           {key: [bytes, last access]} (a cache of the directory)
+    .lock                                fcntl lock taken for index writes and eviction
+
+- Writes: temp file in the entry's directory, fsync, ``os.replace`` -> readers see the whole entry
+  or none. ENOSPC/EDQUOT -> ``StoreFull`` naming the path; the temp file is removed.
+- Reads: ``get_layer`` reads the header then ``pread``s only that layer's byte range; ``get`` reads
+  the file with one ``readinto``. An entry deleted by another process between open and read is
+  still read whole (POSIX keeps it until close); one deleted before open is a miss.
+- LRU: a hit bumps the file's mtime (at most once a second per key and process), so access time is
+  shared by every process and survives restarts. When this process's view of the total exceeds
+  ``max_bytes`` (or every ``rescan_every`` puts), it takes the lock, rescans the directory
+  (picking up other processes' writes) and deletes the least recently used unpinned entries.
+  Pins are per process. The budget is exceeded at most by what other processes wrote since.
+- Restart: ``index.json`` gives sizes and access times without a stat per file; the directory
+  listing is always compared with it and anything missing or extra is stat-ed (lost or stale
+  index -> rebuilt by scanning).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from ragkv.store.base import KVStore, Loaded, log, size_from_str, wants_all
+from ragkv.store.entry import EncodedEntry, Layout, decode_header, header_nbytes
+from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_SUFFIX = ".kv"
+_HEAD_READ = 64 << 10
+_TMP_STALE_S = 3600.0
+_PAD = bytes(64)
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise ValueError(f"invalid store key {key!r}: [A-Za-z0-9._-], at most 200 chars")
+    return key
+
+
+def _fanout(key: str) -> str:
+    return hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
+
+
+def _read_exact(fd: int, buf, offset: int) -> None:
+    mv, got = memoryview(buf), 0
+    while got < len(mv):
+        n = os.preadv(fd, [mv[got:]], offset + got)
+        if n == 0:
+            raise CorruptEntry(f"truncated file: wanted {len(mv)} bytes at {offset}, got {got}")
+        got += n
+
+
+def _write_all(fd: int, data) -> None:
+    mv = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    while len(mv):
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+class DiskStore(KVStore):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        max_bytes: int | str | None = 10 << 30,
+        fsync: bool = True,
+        rescan_every: int = 64,
+    ):
+        super().__init__()
+        self.root = Path(root).expanduser().resolve()
+        self.max_bytes = size_from_str(max_bytes)
+        self.fsync = fsync
+        self.rescan_every = rescan_every
+        self._objects = self.root / "objects"
+        self._objects.mkdir(parents=True, exist_ok=True)
+        self._lock_path = self.root / ".lock"
+        self._index_path = self.root / "index.json"
+        self._index: dict[str, list] = {}  # key -> [nbytes, last access (mtime)]
+        self._bytes = 0
+        self._puts_since_scan = 0
+        with self._flock():
+            self._rescan(load_index=True)
+
+    @property
+    def uri(self) -> str:
+        q = [] if self.max_bytes is None else [f"max_bytes={self.max_bytes}"]
+        if not self.fsync:
+            q.append("fsync=0")
+        return f"disk://{self.root}" + ("?" + "&".join(q) if q else "")
+
+    def path(self, key: str) -> Path:
+        check_key(key)
+        return self._objects / _fanout(key) / (key + _SUFFIX)
+
+    # ---- hooks --------------------------------------------------------------------------------
+
+    def contains(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
+        p = self.path(key)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if layers is not None and wants_all(layers):
+                buf = bytearray(size)
+                _read_exact(fd, buf, 0)
+                n = header_nbytes(buf)
+                header = bytes(buf[:n])
+                _meta, layout = decode_header(header, key)
+                self._check_size(layout, size)
+                mv, base = memoryview(buf), layout.data_offset
+                blobs = [mv[base + ll.offset : base + ll.offset + ll.nbytes] for ll in layout.layers]
+            else:
+                head = os.pread(fd, min(size, _HEAD_READ), 0)
+                n = header_nbytes(head)
+                if n > len(head):
+                    head += os.pread(fd, n - len(head), len(head))
+                header = head[:n]
+                _meta, layout = decode_header(header, key)
+                self._check_size(layout, size)
+                blobs = []
+                for i in layers or ():
+                    ll = layout.layers[i]
+                    b = bytearray(ll.nbytes)
+                    _read_exact(fd, b, layout.data_offset + ll.offset)
+                    blobs.append(b)
+        finally:
+            os.close(fd)
+        self._touch(key, p, size)
+        return header, layout, blobs
+
+    @staticmethod
+    def _check_size(layout: Layout, size: int) -> None:
+        if size != layout.total_nbytes:
+            raise CorruptEntry(f"file is {size} bytes, header says {layout.total_nbytes}")
+
+    def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
+        p = self.path(key)
+        if p.exists():
+            return False
+        p.parent.mkdir(exist_ok=True)
+        tmp = p.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, enc.header)
+                _write_all(fd, _PAD[: layout.data_offset - len(enc.header)])
+                for b in enc.blobs:
+                    _write_all(fd, b)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, p)
+        except OSError as e:
+            with suppress(FileNotFoundError):
+                tmp.unlink()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"disk store {self.root}: no space left writing {p}") from e
+            raise StoreError(f"disk store {self.root}: writing {p} failed: {e}") from e
+        with self._lock:
+            if key not in self._index:
+                self._bytes += layout.total_nbytes
+            self._index[key] = [layout.total_nbytes, time.time()]
+            self._puts_since_scan += 1
+            need = (self.max_bytes is not None and self._bytes > self.max_bytes) or (
+                self._puts_since_scan >= self.rescan_every
+            )
+        if need:
+            self.evict()
+        return True
+
+    def _remove(self, key: str) -> bool:
+        try:
+            self.path(key).unlink()
+            ok = True
+        except FileNotFoundError:
+            ok = False
+        self._forget(key)
+        return ok
+
+    def keys(self) -> Iterator[str]:
+        for sub in sorted(os.scandir(self._objects), key=lambda d: d.name):
+            if not sub.is_dir():
+                continue
+            try:
+                names = os.listdir(sub.path)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.endswith(_SUFFIX) and not name.startswith("."):
+                    yield name[: -len(_SUFFIX)]
+
+    def clear(self) -> None:
+        with self._flock():
+            for k in list(self.keys()):
+                self._remove(k)
+            self._save_index()
+
+    def close(self) -> None:
+        try:
+            with self._flock():
+                self._save_index()
+        except OSError as e:  # pragma: no cover - read-only dir etc.
+            log.warning("%s: could not save index: %s", self.uri, e)
+
+    def _usage(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes}
+
+    # ---- index / eviction -----------------------------------------------------------------------
+
+    def evict(self) -> int:
+        """Rescan the directory and delete LRU unpinned entries until within budget."""
+        n = 0
+        with self._flock():
+            self._rescan(load_index=False)
+            if self.max_bytes is not None and self._bytes > self.max_bytes:
+                with self._lock:
+                    order = sorted(self._index.items(), key=lambda kv: kv[1][1])
+                for key, _ in order:
+                    if self._bytes <= self.max_bytes:
+                        break
+                    if self.is_pinned(key):
+                        continue
+                    if self._remove(key):
+                        n += 1
+                self._count("evictions", n)
+            self._save_index()
+        return n
+
+    @contextmanager
+    def _flock(self):
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _touch(self, key: str, p: Path, size: int) -> None:
+        now = time.time()
+        with self._lock:
+            e = self._index.get(key)
+            if e is not None and now - e[1] < 1.0:
+                return
+            if e is None:
+                self._bytes += size
+            self._index[key] = [size, now]
+        with suppress(OSError):
+            os.utime(p, (now, now))
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            e = self._index.pop(key, None)
+            if e is not None:
+                self._bytes -= e[0]
+
+    def _rescan(self, load_index: bool) -> None:
+        """Reconcile the index with the directory (lock held). Known entries keep their cached
+        size; their access time is refreshed from mtime; unknown ones are stat-ed."""
+        cached: dict[str, list] = {}
+        if load_index:
+            try:
+                doc = json.loads(self._index_path.read_text())
+                if isinstance(doc, dict) and doc.get("version") == 1 and isinstance(doc.get("entries"), dict):
+                    cached = {
+                        k: [int(v[0]), float(v[1])]
+                        for k, v in doc["entries"].items()
+                        if isinstance(v, list) and len(v) == 2
+                    }
+            except (OSError, ValueError, TypeError):
+                cached = {}  # lost or unreadable index: rebuilt from the scan below
+        else:
+            with self._lock:
+                cached = {k: list(v) for k, v in self._index.items()}
+        index: dict[str, list] = {}
+        now = time.time()
+        for sub in os.scandir(self._objects):
+            if not sub.is_dir():
+                continue
+            for de in os.scandir(sub.path):
+                name = de.name
+                if name.startswith(".tmp-"):
+                    try:
+                        if now - de.stat().st_mtime > _TMP_STALE_S:
+                            os.unlink(de.path)
+                    except OSError:
+                        pass
+                    continue
+                if not name.endswith(_SUFFIX):
+                    continue
+                key = name[: -len(_SUFFIX)]
+                if key in cached and load_index:
+                    index[key] = cached[key]
+                    continue
+                try:
+                    st = de.stat()
+                except FileNotFoundError:
+                    continue
+                index[key] = [st.st_size, max(st.st_mtime, cached.get(key, [0, 0.0])[1])]
+        with self._lock:
+            self._index = index
+            self._bytes = sum(v[0] for v in index.values())
+            self._puts_since_scan = 0
+
+    def _save_index(self) -> None:
+        with self._lock:
+            doc = {"version": 1, "entries": dict(self._index)}
+        tmp = self._index_path.with_name(f".index-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(doc, separators=(",", ":")))
+        os.replace(tmp, self._index_path)

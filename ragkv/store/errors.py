@@ -1,0 +1,18 @@
+"""Exceptions of the store layer. Reads never raise these to callers of ``KVStore`` (they become
+misses and counters); writes raise ``StoreError``/``StoreFull`` from single backends, and the
+TieredStore turns a failing tier's write into a logged, counted skip."""
+
+from __future__ import annotations
+
+
+class CorruptEntry(Exception):
+    """An entry's bytes fail validation (magic, version, JSON, types, shapes, lengths, checksums,
+    non-finite values, or a header bound to another key)."""
+
+
+class StoreError(Exception):
+    """A backend could not carry out an operation (I/O error, unreachable server)."""
+
+
+class StoreFull(StoreError):
+    """No space left where the backend writes (ENOSPC/EDQUOT); the message names the path."""

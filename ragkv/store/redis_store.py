@@ -1,0 +1,205 @@
+"""Redis backend (redis-py), binary-safe, Redis Cluster ready.
+
+Keys of one entry share the hash tag ``{<key>}`` so they live in one cluster slot::
+
+    <namespace>ragkv:{<key>}:h      header (written last)
+    <namespace>ragkv:{<key>}:<i>    layer blob i
+
+- Write: one MULTI/EXEC transaction sets every blob, then the header (with the optional TTL on
+  every key). EXEC is atomic, so no reader sees part of an entry; concurrent writers of one key
+  leave the last writer's complete entry.
+- Read: header and requested blobs are fetched in one MULTI/EXEC (a consistent snapshot, one round
+  trip); ``get_layer`` fetches the header and that blob only.
+- Unreachable server: the first failure logs one warning, later calls are misses / skipped writes
+  without touching the network until a back-off (1 s doubling to 30 s) expires; the next success
+  logs "reconnected". Requests never fail because Redis is down.
+- ``pin`` is a no-op here: Redis evicts by its own maxmemory policy / TTL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ragkv.store.base import KVStore, Loaded, log, wants_all
+from ragkv.store.entry import EncodedEntry, Layout, decode_header, header_nbytes
+from ragkv.store.errors import CorruptEntry, StoreError
+
+_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+
+
+class RedisStore(KVStore):
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        ttl: int | None = None,
+        namespace: str = "",
+        cluster: bool = False,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        **client_kwargs,
+    ):
+        super().__init__()
+        if "{" in namespace or "}" in namespace:
+            raise ValueError("redis namespace must not contain '{' or '}' (hash tag)")
+        self.url, self.ttl, self.namespace, self.cluster = url, ttl, namespace, cluster
+        client_kwargs.setdefault("socket_connect_timeout", 1.0)
+        client_kwargs.setdefault("socket_timeout", 10.0)
+        if cluster:
+            self.client = redis.RedisCluster.from_url(url, **client_kwargs)
+        else:
+            self.client = redis.Redis.from_url(url, **client_kwargs)
+        self._backoff0, self._backoff_max = backoff_s, max_backoff_s
+        self._down_until = 0.0
+        self._backoff = backoff_s
+        self._down = False
+        self._state_lock = threading.Lock()
+
+    @property
+    def uri(self) -> str:
+        safe = self.url
+        if "@" in safe:  # never show a password
+            scheme, rest = safe.split("://", 1)
+            safe = f"{scheme}://***@{rest.split('@', 1)[1]}"
+        q = [f"ttl={self.ttl}"] if self.ttl else []
+        if self.namespace:
+            q.append(f"namespace={self.namespace}")
+        if self.cluster and not safe.startswith("redis+cluster"):
+            q.append("cluster=1")
+        return safe + (("&" if "?" in safe else "?") + "&".join(q) if q else "")
+
+    def _hkey(self, key: str) -> str:
+        return f"{self.namespace}ragkv:{{{key}}}:h"
+
+    def _bkey(self, key: str, i: int) -> str:
+        return f"{self.namespace}ragkv:{{{key}}}:{i}"
+
+    # ---- availability ---------------------------------------------------------------------------
+
+    def _call(self, fn):
+        """Run ``fn()`` unless Redis is known down; connection trouble -> StoreError."""
+        with self._state_lock:
+            if self._down and time.monotonic() < self._down_until:
+                raise StoreError(f"{self.uri}: unavailable (backing off)")
+        try:
+            out = fn()
+        except _DOWN_ERRORS as e:
+            with self._state_lock:
+                if not self._down:
+                    log.warning("%s: redis unreachable (%s); treating as misses, retrying later", self.uri, e)
+                    self._down = True
+                    self._backoff = self._backoff0
+                else:
+                    self._backoff = min(self._backoff * 2, self._backoff_max)
+                self._down_until = time.monotonic() + self._backoff
+            raise StoreError(f"{self.uri}: {e}") from e
+        except RedisError as e:
+            raise StoreError(f"{self.uri}: {e}") from e
+        with self._state_lock:
+            if self._down:
+                log.warning("%s: redis reachable again", self.uri)
+                self._down = False
+        return out
+
+    @property
+    def available(self) -> bool:
+        return not self._down
+
+    # ---- hooks --------------------------------------------------------------------------------
+
+    def contains(self, key: str) -> bool:
+        try:
+            return bool(self._call(lambda: self.client.exists(self._hkey(key))))
+        except StoreError:
+            self._count("errors")
+            return False
+
+    def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
+        if layers is None:
+            header = self._call(lambda: self.client.get(self._hkey(key)))
+            if header is None:
+                return None
+            _, layout = decode_header(header, key)
+            return header, layout, []
+        if wants_all(layers):
+            header = self._call(lambda: self.client.get(self._hkey(key)))
+            if header is None:
+                return None
+            _, layout = decode_header(header, key)
+            idx = list(range(len(layout.layers)))
+        else:
+            idx = list(layers)
+
+        def fetch():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.get(self._hkey(key))
+            for i in idx:
+                pipe.get(self._bkey(key, i))
+            return pipe.execute()
+
+        res = self._call(fetch)
+        header, blobs = res[0], res[1:]
+        if header is None:
+            return None
+        header_nbytes(header)
+        _, layout = decode_header(header, key)
+        for i in idx:
+            layout.layers[i]  # IndexError for a caller's bad index, before blaming the entry
+        if any(b is None for b in blobs):
+            raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
+        return header, layout, blobs
+
+    def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
+        def write():
+            pipe = self.client.pipeline(transaction=True)
+            for i, b in enumerate(enc.blobs):
+                pipe.set(self._bkey(key, i), b, ex=self.ttl)
+            pipe.set(self._hkey(key), enc.header, ex=self.ttl)  # last: the entry becomes visible
+            pipe.execute()
+
+        self._call(write)
+        return True
+
+    def _remove(self, key: str) -> bool:
+        hdr = self._call(lambda: self.client.get(self._hkey(key)))
+        n = 0
+        with contextlib.suppress(CorruptEntry):
+            n = decode_header(hdr, None)[0].num_layers if hdr is not None else 0
+        names = [self._hkey(key)] + [self._bkey(key, i) for i in range(max(n, 0))]
+        if n == 0:  # header unreadable: find the blobs by pattern
+            names += list(self._call(lambda: list(self.client.scan_iter(match=self._bkey(key, "*")))))
+        return bool(self._call(lambda: self.client.delete(*names)))
+
+    def keys(self) -> Iterator[str]:
+        pat = f"{self.namespace}ragkv:{{*}}:h"
+        lo = len(self.namespace) + len("ragkv:{")
+        try:
+            names = self._call(lambda: list(self.client.scan_iter(match=pat, count=1000)))
+        except StoreError:
+            return iter(())
+        return iter(sorted({(n.decode() if isinstance(n, bytes) else n)[lo:-3] for n in names}))
+
+    def clear(self) -> None:
+        pat = f"{self.namespace}ragkv:{{*}}:*"
+        names = self._call(lambda: list(self.client.scan_iter(match=pat, count=1000)))
+        for i in range(0, len(names), 512):
+            batch = names[i : i + 512]
+            if self.cluster:
+                for n in batch:
+                    self._call(lambda n=n: self.client.delete(n))
+            else:
+                self._call(lambda b=batch: self.client.delete(*b))
+
+    def _usage(self) -> dict:
+        return {"entries": None, "bytes": None, "available": self.available}
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()

@@ -1,0 +1,174 @@
+"""TieredStore: an ordered list of stores, fastest first (e.g. memory, disk, redis).
+
+- ``put``: encodes once and writes the same bytes to every tier. A tier whose write fails
+  (StoreFull, Redis down) is logged and counted in ``tier_write_errors``; the others still get it.
+- ``get``: asks tier by tier; a hit in a lower tier is promoted (the whole verified entry is copied
+  into every tier above) before it is decoded. ``get_meta``/``get_layer`` read tier by tier but
+  promote nothing (layer-streamed readers call ``get`` or ``promote`` when they want that).
+- ``pin`` pins in every tier; ``stats()`` = ``{"tiers": [...], totals...}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+
+from torch import Tensor
+
+from ragkv.store.base import KVStore, Loaded, log
+from ragkv.store.entry import ChunkKV, EncodedEntry, EntryMeta, Layout, StoredLayer, decode_header, encode
+from ragkv.store.errors import StoreError
+
+
+class TieredStore(KVStore):
+    def __init__(self, tiers: Sequence[KVStore]):
+        super().__init__()
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        self.tiers = list(tiers)
+
+    @property
+    def uri(self) -> str:
+        return ",".join(t.uri for t in self.tiers)
+
+    # the hooks delegate to the tiers; the public methods below are overridden so each tier keeps
+    # its own hit/miss/corruption accounting
+    def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
+        wrote = False
+        for t in self.tiers:
+            try:
+                wrote |= t.put_encoded(key, enc)
+            except StoreError as e:
+                self._count("tier_write_errors")
+                log.warning("%s: write of %s skipped: %s", t.uri, key, e)
+        return wrote
+
+    def _remove(self, key: str) -> bool:
+        out = False
+        for t in self.tiers:
+            try:
+                out |= t.delete(key)
+            except StoreError as e:
+                log.warning("%s: delete of %s failed: %s", t.uri, key, e)
+        return out
+
+    def keys(self) -> Iterator[str]:
+        seen: set[str] = set()
+        for t in self.tiers:
+            for k in t.keys():  # noqa: SIM118 - KVStore.keys(), not a dict
+                if k not in seen:
+                    seen.add(k)
+                    yield k
+
+    def contains(self, key: str) -> bool:
+        return any(t.contains(key) for t in self.tiers)
+
+    def put(self, meta: EntryMeta, layers_kv: Sequence[tuple[Tensor, Tensor]]) -> bool:
+        missing = [t for t in self.tiers if not t.contains(meta.key)]
+        if not missing:
+            self._count("put_skipped")
+            return False
+        enc = encode(meta, list(layers_kv))
+        wrote = False
+        for t in missing:
+            try:
+                wrote |= t.put_encoded(meta.key, enc)
+            except StoreError as e:
+                self._count("tier_write_errors")
+                log.warning("%s: write of %s skipped: %s", t.uri, meta.key, e)
+        self._count("puts" if wrote else "put_skipped")
+        return wrote
+
+    def get_meta(self, key: str) -> EntryMeta | None:
+        for t in self.tiers:
+            m = t.get_meta(key)
+            if m is not None:
+                self._count("hits")
+                return m
+        self._count("misses")
+        return None
+
+    def get_layer(self, key: str, i: int) -> StoredLayer | None:
+        for t in self.tiers:
+            layer = t.get_layer(key, i)
+            if layer is not None:
+                self._count("hits")
+                return layer
+        self._count("misses")
+        return None
+
+    def get_encoded(self, key: str) -> EncodedEntry | None:
+        for j, t in enumerate(self.tiers):
+            enc = t.get_encoded(key)
+            if enc is not None:
+                self._count("hits")
+                self._promote(key, enc, j)
+                return enc
+        self._count("misses")
+        return None
+
+    def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
+        for j, t in enumerate(self.tiers):
+            r = t._get_full(key)
+            if r is not None:
+                header, layout, blobs, stored = r
+                self._count("hits")
+                self._promote(key, EncodedEntry(header, blobs), j)
+                return layout.meta, stored
+        self._count("misses")
+        return None
+
+    def get(self, key: str) -> ChunkKV | None:
+        r = self.get_stored(key)
+        if r is None:
+            return None
+        meta, stored = r
+        return ChunkKV(meta, [s.dequantize(meta.model_dtype) for s in stored])
+
+    def promote(self, key: str) -> bool:
+        """Copy an entry found in a lower tier into the tiers above it."""
+        return self.get_encoded(key) is not None
+
+    def _promote(self, key: str, enc: EncodedEntry, found_at: int) -> None:
+        if found_at == 0:
+            return
+        decode_header(enc.header, key)
+        for t in self.tiers[:found_at]:
+            try:
+                if t.put_encoded(key, enc):  # copies: the caller's tensors share enc's buffers
+                    self._count("promotions")
+            except (StoreError, ValueError) as e:
+                log.warning("%s: promotion of %s skipped: %s", t.uri, key, e)
+
+    def clear(self) -> None:
+        for t in self.tiers:
+            t.clear()
+
+    @contextmanager
+    def pin(self, keys: Iterable[str]):
+        keys = list(keys)
+        with ExitStack() as stack:
+            for t in self.tiers:
+                stack.enter_context(t.pin(keys))
+            yield self
+
+    def is_pinned(self, key: str) -> bool:
+        return self.tiers[0].is_pinned(key)
+
+    def stats(self) -> dict:
+        tiers = [t.stats() for t in self.tiers]
+        out: dict = {"uri": self.uri, "tiers": tiers}
+        with self._lock:
+            c = dict(self._counts)
+        out["hits"], out["misses"] = c.pop("hits", 0), c.pop("misses", 0)  # of the whole stack
+        for name in ("entries", "bytes", "corruptions", "evictions", "errors"):
+            out[name] = sum(int(s.get(name) or 0) for s in tiers)
+        out.update(c)
+        return out
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
