@@ -1,0 +1,46 @@
+"""Shared helpers of the store tests (imported as a top-level module: tests/ has no __init__)."""
+
+from __future__ import annotations
+
+import torch
+
+from ragkv.keys import chunk_key
+from ragkv.store.entry import EntryMeta
+
+
+def make_entry(
+    n_tokens=16,
+    n_layers=3,
+    heads=2,
+    dim=8,
+    storage="float32",
+    axis=None,
+    model_dtype="float32",
+    seed=0,
+    salt="",
+):
+    g = torch.Generator().manual_seed(seed)
+    toks = tuple(int(t) for t in torch.randint(0, 50000, (n_tokens,), generator=g))
+    key = chunk_key("fp-test", toks, "sink1/v1", namespace=salt)
+    meta = EntryMeta(
+        key=key,
+        token_ids=toks,
+        start_pos=1,
+        num_layers=n_layers,
+        num_kv_heads=heads,
+        head_dim=dim,
+        model_dtype=model_dtype,
+        storage_dtype=storage,
+        quant_axis=axis,
+        fingerprint="fp-test",
+        policy="sink1/v1",
+        extra={"doc": "d1"},
+    )
+    dt = getattr(torch, model_dtype)
+    layers = []
+    for _ in range(n_layers):
+        k = torch.randn(heads, n_tokens, dim, generator=g)
+        k[:, :, 0] *= 20  # an outlier channel, as real keys have
+        v = torch.randn(heads, n_tokens, dim, generator=g)
+        layers.append((k.to(dt), v.to(dt)))
+    return meta, layers
