@@ -1,0 +1,415 @@
+"""The read path: fuse stored chunk K/V at new positions and recompute the tokens that matter (CacheBlend).
+
+    prompt = prefix | chunk_1 .. chunk_n | suffix            (ragkv.prompt)
+    1. look up the prefix and every chunk by content key; prefill and write back what is missing
+    2. per layer, load each stored entry's K/V, re-rotate keys from their stored positions to their
+       positions in this prompt (ops.rope_shift, fused with dequantization), concatenate  -> fused K/V
+    3. run the model's own decoder layers over an *active* token set:
+         layers <= last check layer: every chunk token + the suffix (a true prefill for those layers)
+         at each check layer: score each chunk token by the deviation of its fresh K/V from the
+             fused (cached) K/V and keep the top fraction (gradual filtering narrows over the check
+             layers to `ratio`)
+         later layers: only the kept tokens + the suffix
+       the active tokens' fresh K/V are scattered over the fused K/V (ops.scatter_rows), and every
+       query attends through a 4-D mask built from *original positions* (key j visible to query i iff
+       pos[j] <= pos[i]), not a mask aligned to the bottom right of the active block
+    4. logits of the last prompt token; a DynamicCache of the prompt minus its last token, which
+       ``model.generate`` continues (it needs one uncached prompt token and mutates the cache)
+
+ratio = 0 is naive reuse (no recompute but the suffix); ratio = 1 recomputes every chunk token in
+every layer and equals full prefill. The prefix is cached as a true prefix (positions 0..P-1), so
+its K/V are exact and it is never recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.adapter import ModelAdapter
+from ragkv.kernels import dispatch as ops
+from ragkv.keys import chunk_key
+from ragkv.models import fingerprint
+from ragkv.policy import PREFIX_POLICY, PrecomputePolicy, prefill_kv
+from ragkv.prompt import Prompt, PromptTemplate
+from ragkv.store.entry import EntryMeta, StoredLayer
+
+SIGNALS = ("k", "v", "kv")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """ratio: fraction of reused (chunk) tokens recomputed after the check layers.
+    check_layers: layers at which tokens are scored and filtered (every layer up to the last one is
+    computed for all chunk tokens). Several check layers = gradual filtering: the kept fraction
+    narrows geometrically from ``first_ratio`` at the first to ``ratio`` at the last.
+    signal: which deviation selects tokens: "v" (the paper's choice), "k" or "kv"."""
+
+    ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    first_ratio: float | None = None
+    signal: str = "v"
+    normalize: bool = False
+    storage_dtype: str | None = None  # for chunks computed on a miss and written back; None = model dtype
+    quant_axis: str | None = None
+
+    def __post_init__(self):
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"signal {self.signal!r}: valid are {SIGNALS}")
+        if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
+            raise ValueError(f"check_layers must be strictly increasing and non-empty, got {self.check_layers}")
+        if self.first_ratio is not None and not self.ratio <= self.first_ratio <= 1.0:
+            raise ValueError("first_ratio must lie in [ratio, 1]")
+
+    def layer_ratios(self, ratio: float | None = None) -> list[float]:
+        """Fraction of chunk tokens kept after each check layer (the last one is ``ratio``)."""
+        ratio = self.ratio if ratio is None else ratio
+        n = len(self.check_layers)
+        if n == 1:
+            return [ratio]
+        first = max(ratio, self.first_ratio if self.first_ratio is not None else min(1.0, 2 * ratio))
+        if ratio == 0.0:
+            return [first * (1 - i / (n - 1)) for i in range(n)]
+        return [first * (ratio / first) ** (i / (n - 1)) for i in range(n)]
+
+
+@dataclass
+class BlendStats:
+    chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # chunk tokens served from the store
+    recomputed_tokens: int = 0  # chunk tokens recomputed after the last check layer
+    t_lookup: float = 0.0
+    t_load: float = 0.0
+    t_fuse: float = 0.0
+    t_compute: float = 0.0
+    t_total: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class BlendResult:
+    input_ids: torch.Tensor  # [1, T]
+    logits: torch.Tensor  # [vocab] fp32, next-token logits after the whole prompt
+    cache: object  # transformers DynamicCache holding the prompt minus its last token
+    stats: BlendStats
+    selected: torch.Tensor | None = None  # absolute positions recomputed after the last check layer
+
+
+@dataclass
+class _Segment:
+    """One cached piece of the prompt: the prefix or a chunk."""
+
+    key: str
+    ids: list[int]
+    start: int  # position in this prompt
+    stored_start: int = 0
+    layers: list | None = None  # computed on this request: [(K, V)] in model dtype
+    chunk: bool = True
+
+
+class _FusedCache:
+    """Duck-typed transformers cache for the blend's layer loop: the attention module calls
+    ``update(k, v, layer_idx)``; we score deviations at check layers, scatter the fresh rows of the
+    active tokens over the fused K/V and hand the whole fused K/V back for attention."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.active: torch.Tensor | None = None  # [n] absolute positions of the query rows
+        self.score_rows: torch.Tensor | None = None  # rows of `active` that are candidate chunk tokens
+        self.signal: str | None = None  # set at check layers
+        self.normalize = False
+        self.scores: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx][0], self.values[layer_idx][0]  # [H, T, D]
+        fk, fv = key_states[0], value_states[0]  # [H, n, D]
+        if self.signal is not None:
+            rows, idx = self.score_rows, self.active[self.score_rows]
+            use_k, use_v = "k" in self.signal, "v" in self.signal
+            self.scores = ops.kv_deviation(
+                fk[:, rows] if use_k else None, k[:, idx] if use_k else None,
+                fv[:, rows] if use_v else None, v[:, idx] if use_v else None,
+                mode=self.signal, normalize=self.normalize,
+            )
+        ops.scatter_rows(k, fk, self.active)
+        ops.scatter_rows(v, fv, self.active)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        k = self.keys[layer_idx]
+        return 0 if k is None else k.shape[-2]
+
+
+def _causal_mask_by_position(q_pos: torch.Tensor, total: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, n, total] additive mask: query at position q_pos[i] sees keys at positions <= q_pos[i]."""
+    k_pos = torch.arange(total, device=q_pos.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+class BlendEngine:
+    """CacheBlend over a ragkv store for one model.
+
+    ``prefill(question, contexts)`` returns the next-token logits and a cache for ``model.generate``;
+    ``generate(question, contexts, **generate_kwargs)`` runs generation on top of it.
+    Missing chunks (and the prefix) are prefilled under the precompute policy and written back.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        store,
+        config: BlendConfig | None = None,
+        template: PromptTemplate | None = None,
+        policy: PrecomputePolicy | None = None,
+        namespace: str = "",
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.store = store
+        self.config = config or BlendConfig()
+        self.adapter = ModelAdapter.of(model)
+        self.template = template or PromptTemplate.for_tokenizer(tokenizer)
+        self.policy = policy or PrecomputePolicy()
+        self.namespace = namespace
+        self.fingerprint = fingerprint(model, tokenizer).digest()
+        self.policy_id = self.policy.policy_id(self.template)
+        self.sink_ids = self.policy.sink_ids(self.template)
+        self.model_dtype = str(model.dtype).removeprefix("torch.")
+
+    # ------------------------------------------------------------------ keys and write-back
+
+    def chunk_key(self, ids: Sequence[int]) -> str:
+        return chunk_key(self.fingerprint, ids, self.policy_id, self.namespace)
+
+    def prefix_key(self, ids: Sequence[int]) -> str:
+        return chunk_key(self.fingerprint, ids, PREFIX_POLICY, self.namespace)
+
+    def _meta(self, key: str, ids: Sequence[int], start: int, policy: str) -> EntryMeta:
+        a = self.adapter
+        storage = self.config.storage_dtype or self.model_dtype
+        return EntryMeta(
+            key=key, token_ids=tuple(ids), start_pos=start, num_layers=a.num_layers,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, model_dtype=self.model_dtype,
+            storage_dtype=storage, quant_axis=(self.config.quant_axis or "auto") if storage == "int8" else None,
+            fingerprint=self.fingerprint, policy=policy,
+        )
+
+    def compute_and_store(self, segments: Sequence[_Segment]) -> None:
+        """Prefill segments on their own under the policy and write them back to the store."""
+        prefixes = [s for s in segments if not s.chunk]
+        chunks = [s for s in segments if s.chunk]
+        for group, sink, policy in ((prefixes, [], PREFIX_POLICY), (chunks, self.sink_ids, self.policy_id)):
+            if not group:
+                continue
+            kvs = prefill_kv(self.model, sink, [s.ids for s in group])
+            for seg, kv in zip(group, kvs):
+                seg.layers, seg.stored_start = kv, len(sink)
+                self.store.put(self._meta(seg.key, seg.ids, len(sink), policy), kv)
+
+    def ensure(self, contexts: Sequence[str]) -> tuple[list[str], int]:
+        """Make sure every context's chunk K/V is in the store; return (keys, number computed)."""
+        segs = []
+        for text in contexts:
+            ids = self.template.chunk_ids(text)
+            segs.append(_Segment(self.chunk_key(ids), ids, 0))
+        missing = [s for s in segs if not self.store.contains(s.key)]
+        if missing:
+            self.compute_and_store(missing)
+        return [s.key for s in segs], len(missing)
+
+    # ------------------------------------------------------------------ the blend
+
+    def build_prompt(self, question: str, contexts: Sequence[str]) -> Prompt:
+        if not contexts:
+            raise ValueError("contexts is empty: give at least one chunk (or call the model directly)")
+        return self.template.build(question, list(contexts))
+
+    def prefill(self, question: str, contexts: Sequence[str], ratio: float | None = None) -> BlendResult:
+        return self.prefill_prompt(self.build_prompt(question, contexts), ratio=ratio)
+
+    @torch.inference_mode()
+    def prefill_prompt(self, prompt: Prompt, ratio: float | None = None) -> BlendResult:
+        t0 = time.perf_counter()
+        cfg = self.config
+        ratio = cfg.ratio if ratio is None else ratio
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        a = self.adapter
+        total = prompt.num_tokens
+        a.check_length(total)
+        if not prompt.suffix_ids:
+            raise ValueError("the suffix (question) must have at least one token")
+        stats = BlendStats(chunks=len(prompt.chunk_ids), prompt_tokens=total)
+
+        # 1. look up every segment; compute what is missing and write it back
+        segments: list[_Segment] = []
+        if prompt.prefix_ids:
+            segments.append(_Segment(self.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, chunk=False))
+        for ids, start in zip(prompt.chunk_ids, prompt.chunk_starts()):
+            segments.append(_Segment(self.chunk_key(ids), ids, start))
+        missing = []
+        for seg in segments:
+            meta = self.store.get_meta(seg.key)
+            if meta is None or not self._meta_matches(meta, seg):
+                missing.append(seg)
+            else:
+                seg.stored_start = meta.start_pos
+        stats.hits = sum(s.chunk for s in segments) - sum(s.chunk for s in missing)
+        stats.misses = sum(s.chunk for s in missing)
+        stats.t_lookup = time.perf_counter() - t0
+        if missing:
+            self.compute_and_store(missing)
+
+        P = len(prompt.prefix_ids)
+        C = sum(map(len, prompt.chunk_ids))
+        stats.reused_tokens = sum(len(s.ids) for s in segments if s.chunk and s.layers is None)
+        device, dtype = a.device, a.dtype
+        input_ids = torch.tensor([prompt.input_ids], device=device)
+        positions = torch.arange(total, device=device)
+        naive = ratio == 0.0 or C == 0
+        check = [] if naive else list(cfg.check_layers)
+        if check and check[-1] >= a.num_layers:
+            raise ValueError(f"check layer {check[-1]} >= number of layers {a.num_layers}")
+        ratios = {} if naive else dict(zip(check, cfg.layer_ratios(ratio)))
+        first_load = 0 if naive else check[0]  # chunk K/V below the first check layer is never read
+
+        cache = _FusedCache(a.num_layers)
+        cache.normalize = cfg.normalize
+        active = positions[P:] if not naive else positions[P + C :]
+        body = self.model.model
+        hidden = body.embed_tokens(input_ids[:, active])
+        selected = None
+        for li, layer in enumerate(body.layers[: a.num_layers]):
+            self._fuse_layer(cache, li, segments, total, load_chunks=li >= first_load, stats=stats)
+            tc = time.perf_counter()
+            cache.active = active
+            if li in ratios:
+                cache.signal = cfg.signal
+                cache.score_rows = torch.nonzero(active < P + C).flatten()
+            pos = active[None]
+            cos_sin = body.rotary_emb(hidden, pos)
+            mask = _causal_mask_by_position(active, total, dtype)
+            hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                           position_embeddings=cos_sin)
+            if li in ratios:
+                keep_n = min(cache.score_rows.numel(), math.ceil(ratios[li] * C - 1e-9))
+                top = ops.select_topk(cache.scores, keep_n)
+                keep_rows = torch.cat([cache.score_rows[top], torch.nonzero(active >= P + C).flatten()])
+                keep_rows = keep_rows.sort().values
+                active, hidden = active[keep_rows], hidden[:, keep_rows]
+                selected = active[active < P + C]
+                cache.signal, cache.scores = None, None
+            stats.t_compute += time.perf_counter() - tc
+        tc = time.perf_counter()
+        logits = self.model.lm_head(body.norm(hidden[:, -1:]))[0, -1].float()
+        handoff = self._handoff(cache, total - 1)
+        stats.t_compute += time.perf_counter() - tc
+        stats.recomputed_tokens = 0 if selected is None else int(selected.numel())
+        stats.t_total = time.perf_counter() - t0
+        return BlendResult(input_ids, logits, handoff, stats, selected)
+
+    def _meta_matches(self, meta: EntryMeta, seg: _Segment) -> bool:
+        a = self.adapter
+        return (
+            tuple(meta.token_ids) == tuple(seg.ids) and meta.num_layers == a.num_layers
+            and meta.num_kv_heads == a.num_kv_heads and meta.head_dim == a.head_dim
+            and meta.fingerprint == self.fingerprint
+        )
+
+    def _segment_layer(self, seg: _Segment, li: int, stats: BlendStats) -> StoredLayer | tuple:
+        if seg.layers is not None:
+            return seg.layers[li]
+        stored = self.store.get_layer(seg.key, li)
+        if stored is None:  # vanished or corrupt after the lookup: recompute this segment now
+            stats.corrupt += 1
+            self.compute_and_store([seg])
+            return seg.layers[li]
+        return stored
+
+    def _fuse_layer(self, cache: _FusedCache, li: int, segments, total: int, load_chunks: bool,
+                    stats: BlendStats) -> None:
+        a = self.adapter
+        shape = (1, a.num_kv_heads, total, a.head_dim)
+        k_all = torch.empty(shape, dtype=a.dtype, device=a.device)
+        v_all = torch.empty(shape, dtype=a.dtype, device=a.device)
+        for seg in segments:
+            if seg.chunk and not load_chunks:
+                continue
+            tl = time.perf_counter()
+            item = self._segment_layer(seg, li, stats)
+            tf = time.perf_counter()
+            stats.t_load += tf - tl
+            n = len(seg.ids)
+            dst_k, dst_v = k_all[0, :, seg.start : seg.start + n], v_all[0, :, seg.start : seg.start + n]
+            if isinstance(item, StoredLayer):
+                k, v, k_scale, v_scale = item.k, item.v, item.k_scale, item.v_scale
+            else:
+                (k, v), k_scale, v_scale = item, None, None
+            k, v = k.to(a.device), v.to(a.device)
+            shift = seg.start - seg.stored_start
+            if shift or k_scale is not None or k.dtype != a.dtype:
+                delta = torch.full((n,), shift, dtype=torch.long, device=a.device)
+                inv = a.inv_freq.to(a.device)
+                scale = None if k_scale is None else k_scale.to(a.device)
+                dst_k.copy_(ops.rope_shift(k, delta, inv, scale=scale, out_dtype=a.dtype))
+            else:
+                dst_k.copy_(k)
+            if v_scale is not None:
+                dst_v.copy_(v.float() * v_scale.to(a.device))
+            else:
+                dst_v.copy_(v)
+            stats.t_fuse += time.perf_counter() - tf
+        cache.keys[li], cache.values[li] = k_all, v_all
+
+    def _handoff(self, cache: _FusedCache, length: int):
+        from transformers import DynamicCache
+
+        dc = DynamicCache(config=self.model.config)
+        for li in range(self.adapter.num_layers):
+            dc.update(cache.keys[li][:, :, :length].contiguous(), cache.values[li][:, :, :length].contiguous(), li)
+        return dc
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, question: str, contexts: Sequence[str], ratio: float | None = None,
+                 **generate_kwargs) -> tuple[str, BlendResult, torch.Tensor]:
+        """Blend, then ``model.generate`` on top; returns (answer text, blend result, new token ids)."""
+        res = self.prefill(question, contexts, ratio=ratio)
+        new = self.generate_from(res, **generate_kwargs)
+        return self.tokenizer.decode(new, skip_special_tokens=True).strip(), res, new
+
+    def generate_from(self, res: BlendResult, **generate_kwargs) -> torch.Tensor:
+        generate_kwargs.setdefault("max_new_tokens", 64)
+        if "do_sample" not in generate_kwargs:
+            generate_kwargs.setdefault("do_sample", False)
+            if not generate_kwargs["do_sample"]:
+                generate_kwargs.update(temperature=None, top_p=None, top_k=None)
+        ids = res.input_ids
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=res.cache,
+                                  pad_token_id=self._pad_id(), **generate_kwargs)
+        return out[0, ids.shape[1]:]
+
+    def _pad_id(self):
+        tok = self.tokenizer
+        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+        if pad is None:
+            eos = self.model.generation_config.eos_token_id
+            pad = eos[0] if isinstance(eos, list) else eos
+        return pad

@@ -1,0 +1,89 @@
+"""How a chunk is prefilled on its own (the precompute policy), and the prefill itself.
+
+A chunk computed alone at position 0 makes its first token an attention sink: every later token of
+the chunk dumps attention mass on it, and those K/V are far from what the same tokens get inside a
+real prompt. The policy therefore prefills each chunk *behind a sink*, a fixed run of tokens whose
+K/V are discarded:
+
+    sink="template" (default)  the prompt template's prefix (system prompt + user header): a chunk sees
+                               what a first chunk sees in a real prompt
+    sink="bos"                 only the BOS / first template token
+    sink="none"                the chunk alone at position 0 (what naive implementations do)
+
+The chunk is stored with ``start_pos = len(sink)``; the read path re-rotates its keys from there. The
+policy id (name, version, digest of the sink ids) is part of every chunk key, so entries made under
+another policy are never mixed in. ``benchmarks/blend`` measures the three.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.adapter import ModelAdapter
+
+POLICY_VERSION = 1
+SINKS = ("template", "bos", "none")
+PREFIX_POLICY = f"prefix-v{POLICY_VERSION}"
+
+
+@dataclass(frozen=True)
+class PrecomputePolicy:
+    sink: str = "template"
+
+    def __post_init__(self):
+        if self.sink not in SINKS:
+            raise ValueError(f"unknown sink {self.sink!r}; valid: {', '.join(SINKS)}")
+
+    def sink_ids(self, template) -> list[int]:
+        if self.sink == "none":
+            return []
+        if self.sink == "bos":
+            return list(template.prefix_ids[:1])
+        return list(template.prefix_ids)
+
+    def policy_id(self, template) -> str:
+        digest = hashlib.blake2b(
+            b",".join(str(t).encode() for t in self.sink_ids(template)), digest_size=8
+        ).hexdigest()
+        return f"sink-{self.sink}-v{POLICY_VERSION}-{digest}"
+
+
+@torch.inference_mode()
+def prefill_kv(
+    model, sink_ids: Sequence[int], chunks: Sequence[Sequence[int]], batch_tokens: int = 4096
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Prefill every chunk behind ``sink_ids``; return per chunk, per layer (K, V), each
+    ``[kv_heads, len(chunk), head_dim]`` (keys rotated at positions len(sink) + i).
+
+    Chunks are batched (right-padded: with a causal mask, padding at the end never reaches a real
+    token, so no attention mask is needed) up to ``batch_tokens`` padded tokens per forward.
+    """
+    from transformers import DynamicCache
+
+    adapter = ModelAdapter.of(model)
+    s = len(sink_ids)
+    order = sorted(range(len(chunks)), key=lambda i: -len(chunks[i]))  # similar lengths batch together
+    out: list = [None] * len(chunks)
+    i = 0
+    while i < len(order):
+        width = s + len(chunks[order[i]])
+        n = max(1, batch_tokens // width)
+        group = order[i : i + n]
+        i += n
+        ids = torch.full((len(group), width), 0, dtype=torch.long)
+        for row, ci in enumerate(group):
+            seq = [*sink_ids, *chunks[ci]]
+            ids[row, : len(seq)] = torch.tensor(seq)
+        cache = DynamicCache(config=model.config)
+        model.model(input_ids=ids.to(adapter.device), cache=cache, use_cache=True)
+        for row, ci in enumerate(group):
+            n_tok = len(chunks[ci])
+            out[ci] = [
+                (layer.keys[row, :, s : s + n_tok].clone(), layer.values[row, :, s : s + n_tok].clone())
+                for layer in cache.layers
+            ]
+    return out

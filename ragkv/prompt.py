@@ -1,0 +1,91 @@
+"""Prompt layout shared by the read path, the precompute job and the integrations.
+
+    prompt = prefix | chunk_1 | chunk_2 | ... | chunk_n | suffix
+    prefix  system/instruction and the user-turn header of the chat template; cached as a true prefix
+    chunk_i one retrieved chunk = tokenize(text) + separator; cached independently, any order/position
+    suffix  the question, end of the user turn and the assistant header; always computed
+
+Pieces are tokenized separately and concatenated, so a chunk's token ids (and therefore its cache
+key) do not depend on its neighbours. Full prefill baselines use the same concatenated ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_SENTINEL = "\x00RAGKV-CONTENT\x00"
+DEFAULT_QUESTION = "Answer the question using the documents above. Be brief.\nQuestion: {question}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prefix_ids: list[int]
+    chunk_ids: list[list[int]]
+    suffix_ids: list[int]
+
+    @property
+    def input_ids(self) -> list[int]:
+        ids = list(self.prefix_ids)
+        for c in self.chunk_ids:
+            ids.extend(c)
+        ids.extend(self.suffix_ids)
+        return ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prefix_ids) + sum(map(len, self.chunk_ids)) + len(self.suffix_ids)
+
+    def chunk_starts(self) -> list[int]:
+        starts, pos = [], len(self.prefix_ids)
+        for c in self.chunk_ids:
+            starts.append(pos)
+            pos += len(c)
+        return starts
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """One fixed template per model: its chat template when it has one, else a plain layout."""
+
+    tokenizer: object = field(repr=False)
+    prefix_ids: list[int]
+    tail_ids: list[int]
+    separator: str = "\n\n"
+    question_format: str = DEFAULT_QUESTION
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, system: str | None = None, question_format: str = DEFAULT_QUESTION):
+        if getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": _SENTINEL}]
+            if system is not None:
+                messages.insert(0, {"role": "system", "content": system})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            head, sep, tail = text.partition(_SENTINEL)
+            if not sep:
+                raise ValueError("the tokenizer's chat template drops the user content; cannot build a layout")
+        else:
+            head = (system + "\n\n") if system else ""
+            tail = "\nAnswer:"
+        prefix = tokenizer(head, add_special_tokens=False)["input_ids"] if head else []
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if not getattr(tokenizer, "chat_template", None) and bos is not None:
+            prefix = [bos, *prefix]
+        return cls(tokenizer, prefix, tokenizer(tail, add_special_tokens=False)["input_ids"],
+                   question_format=question_format)
+
+    def chunk_ids(self, text: str) -> list[int]:
+        """Token ids of one chunk as cached: the text, then the separator."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("a context chunk must be a non-empty string")
+        return self.tokenizer(text.strip() + self.separator, add_special_tokens=False)["input_ids"]
+
+    def suffix_ids(self, question: str) -> list[int]:
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("the question must be a non-empty string")
+        q = self.question_format.format(question=question.strip())
+        return self.tokenizer(q, add_special_tokens=False)["input_ids"] + list(self.tail_ids)
+
+    def build(self, question: str, contexts: list[str]) -> Prompt:
+        if isinstance(contexts, str):
+            raise TypeError("contexts must be a list of strings (one chunk each), not one string")
+        return Prompt(list(self.prefix_ids), [self.chunk_ids(c) for c in contexts], self.suffix_ids(question))
