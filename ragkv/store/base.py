@@ -243,6 +243,7 @@ class KVStore(ABC):
                 return None
             header, layout, blobs = r
             stored = [decode_layer(layout, i, b, verify=self.verify_reads) for i, b in enumerate(blobs)]
+            blobs = list(blobs)  # a backend may hand a lazy (streamed) sequence
         except CorruptEntry as e:
             self._corrupt(key, e)
             return None

@@ -30,11 +30,15 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
+
+import numpy as np
 
 from ragkv.store.base import KVStore, Loaded, log, size_from_str, wants_all
 from ragkv.store.entry import EncodedEntry, Layout, decode_header, header_nbytes
@@ -45,6 +49,7 @@ _SUFFIX = ".kv"
 _HEAD_READ = 64 << 10
 _TMP_STALE_S = 3600.0
 _PAD = bytes(64)
+_STREAM_MIN = 4 << 20  # smaller entries are read in the caller's thread
 
 
 def check_key(key: str) -> str:
@@ -73,6 +78,50 @@ def _write_all(fd: int, data) -> None:
         mv = mv[n:]
 
 
+class _StreamedBlobs:
+    """All layer blobs of one file, read by a helper thread into one buffer while the caller
+    verifies the layers already read (read and checksum overlap: two cores instead of one).
+    Indexing waits for that layer's bytes; a read error is raised where the layer is asked for."""
+
+    def __init__(self, store: DiskStore, fd: int, layout: Layout):
+        self.layout = layout
+        base = layout.data_offset
+        # uninitialised buffer (np.empty): every byte of every blob is written by the reads below
+        self._mv = memoryview(np.empty(layout.data_nbytes, dtype=np.uint8))
+        self._views = [self._mv[ll.offset : ll.offset + ll.nbytes] for ll in layout.layers]
+        self._done = [threading.Event() for _ in layout.layers]
+        self._err: BaseException | None = None
+
+        def read():
+            try:
+                for ll, view, ev in zip(layout.layers, self._views, self._done):
+                    _read_exact(fd, view, base + ll.offset)
+                    ev.set()
+            except BaseException as e:
+                self._err = e
+            finally:
+                os.close(fd)
+                for ev in self._done:
+                    ev.set()
+
+        if not store.parallel_read or layout.data_nbytes < _STREAM_MIN:
+            read()
+        else:
+            store._reader().submit(read)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i: int):
+        self._done[i].wait()
+        if self._err is not None:  # the entry is bad (e.g. truncated under us): refuse all of it
+            raise self._err
+        return self._views[i]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
 class DiskStore(KVStore):
     def __init__(
         self,
@@ -80,12 +129,15 @@ class DiskStore(KVStore):
         max_bytes: int | str | None = 10 << 30,
         fsync: bool = True,
         rescan_every: int = 64,
+        parallel_read: bool = False,
     ):
         super().__init__()
         self.root = Path(root).expanduser().resolve()
         self.max_bytes = size_from_str(max_bytes)
         self.fsync = fsync
         self.rescan_every = rescan_every
+        # overlap file reads with checksum verification on a helper thread (needs a free core)
+        self.parallel_read = parallel_read
         self._objects = self.root / "objects"
         self._objects.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.root / ".lock"
@@ -93,6 +145,7 @@ class DiskStore(KVStore):
         self._index: dict[str, list] = {}  # key -> [nbytes, last access (mtime)]
         self._bytes = 0
         self._puts_since_scan = 0
+        self._pool: ThreadPoolExecutor | None = None
         with self._flock():
             self._rescan(load_index=True)
 
@@ -122,14 +175,15 @@ class DiskStore(KVStore):
         try:
             size = os.fstat(fd).st_size
             if layers is not None and wants_all(layers):
-                buf = bytearray(size)
-                _read_exact(fd, buf, 0)
-                n = header_nbytes(buf)
-                header = bytes(buf[:n])
-                _meta, layout = decode_header(header, key)
+                head = os.pread(fd, min(size, _HEAD_READ), 0)
+                n = header_nbytes(head)
+                if n > len(head):
+                    head += os.pread(fd, n - len(head), len(head))
+                header = head[:n]
+                _, layout = decode_header(header, key)
                 self._check_size(layout, size)
-                mv, base = memoryview(buf), layout.data_offset
-                blobs = [mv[base + ll.offset : base + ll.offset + ll.nbytes] for ll in layout.layers]
+                blobs = _StreamedBlobs(self, fd, layout)  # owns fd from here on
+                fd = -1
             else:
                 head = os.pread(fd, min(size, _HEAD_READ), 0)
                 n = header_nbytes(head)
@@ -145,7 +199,8 @@ class DiskStore(KVStore):
                     _read_exact(fd, b, layout.data_offset + ll.offset)
                     blobs.append(b)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._touch(key, p, size)
         return header, layout, blobs
 
@@ -217,7 +272,16 @@ class DiskStore(KVStore):
                 self._remove(k)
             self._save_index()
 
+    def _reader(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="ragkv-disk-read")
+            return self._pool
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         try:
             with self._flock():
                 self._save_index()

@@ -432,11 +432,20 @@ def decode_header(header: bytes, expected_key: str | None = None) -> tuple[Entry
     return meta, Layout(meta, n, tuple(layers))
 
 
-def _all_finite(t: Tensor) -> bool:
-    # fast path: a sum is finite only if every term is; overflow falls back to the exact check
-    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
-        return True
-    return bool(torch.isfinite(t).all())
+_EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}
+
+
+def _all_finite(buf, dtype: str) -> bool:
+    """Finiteness of a float buffer, in numpy (torch's intra-op threads cost more than the work
+    for sub-MB tensors on small machines). fp32: a sum is finite only if every term is, overflow
+    falls back to the exact check; fp16/bf16: no element has an all-ones exponent."""
+    if dtype == "float32":
+        a = np.frombuffer(buf, dtype="<f4")
+        with np.errstate(all="ignore"):
+            return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
+    mask = _EXP_MASK[dtype]
+    u = np.frombuffer(buf, dtype="<u2")
+    return not bool(((u & mask) == mask).any())
 
 
 def _frombuffer(blob, count: int, offset: int) -> Tensor:
@@ -461,14 +470,18 @@ def decode_layer(layout: Layout, i: int, blob, verify: bool = True) -> StoredLay
         raise CorruptEntry(f"layer {i}: checksum mismatch")
     out = {}
     for name, t in ll.tensors.items():
-        dt = _TORCH_DTYPE[t.dtype]
-        raw = _frombuffer(blob, t.nbytes, t.offset)
-        x = raw.view(dt).view(t.shape)
-        if verify and dt != torch.int8 and not _all_finite(x):
-            raise CorruptEntry(f"layer {i}: {name} has non-finite values")
-        if name.endswith("scale") and verify and bool((x < 0).any()):
-            raise CorruptEntry(f"layer {i}: {name} has negative scales")
-        out[name] = x
+        out[name] = _frombuffer(blob, t.nbytes, t.offset).view(_TORCH_DTYPE[t.dtype]).view(t.shape)
+    if verify:
+        meta_dtype = layout.meta.storage_dtype
+        if "k_scale" in out:  # int8: the scales are the only floats
+            for name in ("k_scale", "v_scale"):
+                sc = ll.tensors[name]
+                a = np.frombuffer(blob, dtype="<f4", count=sc.nbytes // 4, offset=sc.offset)
+                if not (np.isfinite(a).all() and (a >= 0).all()):
+                    raise CorruptEntry(f"layer {i}: {name} has non-finite or negative scales")
+        else:  # one pass over the whole blob (tensors are aligned; padding is zero bytes)
+            if not _all_finite(blob, meta_dtype):
+                raise CorruptEntry(f"layer {i}: non-finite values")
     return StoredLayer(out["k"], out["v"], out.get("k_scale"), out.get("v_scale"))
 
 
