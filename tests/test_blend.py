@@ -1,0 +1,311 @@
+"""The read path: re-rotation, fusion, selective recompute, handoff to generate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ragkv.kernels import dispatch as ops
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ragkv import blend as blend_mod
+from ragkv import models
+from ragkv.adapter import ModelAdapter, UnsupportedModelError
+from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.policy import prefill_kv
+from ragkv.prompt import Prompt, PromptTemplate
+from ragkv.store.memory import MemoryStore
+
+TEMPLATE = PromptTemplate(None, prefix_ids=[1, 5, 6, 9], tail_ids=[7, 8])
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512},
+}
+
+
+def make_prompt(seed: int = 0, sizes=(13, 29, 7), suffix=(40, 41, 42, 7, 8)) -> Prompt:
+    g = torch.Generator().manual_seed(seed)
+    chunks = [torch.randint(10, 500, (n,), generator=g).tolist() for n in sizes]
+    return Prompt(list(TEMPLATE.prefix_ids), chunks, list(suffix))
+
+
+def full_logits(model, prompt: Prompt) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt.input_ids])).logits[0, -1].float()
+
+
+def engine(model, **cfg) -> BlendEngine:
+    return BlendEngine(model, None, MemoryStore(), config=BlendConfig(**cfg), template=TEMPLATE)
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_rerotation_equals_prefill_at_new_offset_every_layer(rope):
+    model = models.tiny_model("llama", rope_parameters=ROPES[rope])
+    ids = torch.randint(10, 500, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    (stored,) = prefill_kv(model, [], [ids])  # computed alone at positions 0..36
+    inv_freq = ModelAdapter.of(model).inv_freq
+    for offset in (5, 300):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(offset, offset + 37)[None],
+                        cache=cache, use_cache=True)
+        delta = torch.full((37,), offset)
+        for li, (k0, _) in enumerate(stored):
+            moved = ops.rope_shift(k0, delta, inv_freq)
+            torch.testing.assert_close(moved, cache.layers[li].keys[0], atol=2e-5, rtol=1e-4,
+                                       msg=f"{rope} layer {li} offset {offset}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_ratio_one_equals_full_prefill(kind):
+    model = models.tiny_model(kind)
+    prompt = make_prompt()
+    eng = engine(model)
+    eng.prefill_prompt(prompt, ratio=0.15)  # first call computes and stores every chunk
+    res = eng.prefill_prompt(prompt, ratio=1.0)
+    assert res.stats.misses == 0 and res.stats.hits == 3
+    assert res.stats.recomputed_tokens == sum(map(len, prompt.chunk_ids))
+    torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_ratio_one_greedy_generation_equals_plain_generate(kind):
+    model = models.tiny_model(kind)
+    prompt = make_prompt(seed=3)
+    eng = engine(model)
+    eng.prefill_prompt(prompt)
+    res = eng.prefill_prompt(prompt, ratio=1.0)
+    assert res.cache.get_seq_length() == prompt.num_tokens - 1
+    out = eng.generate_from(res, max_new_tokens=12)
+    ids = torch.tensor([prompt.input_ids])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         pad_token_id=0)[0, ids.shape[1]:]
+    assert torch.equal(out, ref)
+
+
+def _store_exact_caches(eng: BlendEngine, model, prompt: Prompt) -> None:
+    """Store, under the engine's keys, chunk K/V sliced out of a full prefill of this very prompt:
+    the cached K/V are then exact, so blending at any ratio must reproduce full prefill."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([prompt.input_ids]), cache=cache, use_cache=True)
+    pieces = [(eng.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix-v1")]
+    pieces += [(eng.chunk_key(ids), ids, s, eng.policy_id) for ids, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
+    for key, ids, start, policy in pieces:
+        layers = [(lay.keys[0, :, start : start + len(ids)].clone(), lay.values[0, :, start : start + len(ids)].clone())
+                  for lay in cache.layers]
+        assert eng.store.put(eng._meta(key, ids, start, policy), layers)
+
+
+def _bottom_right_mask(q_pos, total, dtype):
+    n = q_pos.numel()
+    allowed = torch.arange(total)[None, :] <= (total - n + torch.arange(n))[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _perturb(eng: BlendEngine, ids, token_rows, amount=3.0) -> None:
+    """Shift the cached K and V of some tokens of a stored chunk by ``amount`` in every layer."""
+    key = eng.chunk_key(ids)
+    entry = eng.store.get(key)
+    layers = []
+    for k, v in entry.layers:
+        k, v = k.clone(), v.clone()
+        k[:, token_rows] += amount
+        v[:, token_rows] += amount
+        layers.append((k, v))
+    eng.store.delete(key)
+    eng.store.put(entry.meta, layers)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_recompute_attends_causally_by_original_position(kind, monkeypatch):
+    model = models.tiny_model(kind)
+    prompt = make_prompt(seed=5, sizes=(21, 17, 30))
+    eng = engine(model)
+    _store_exact_caches(eng, model, prompt)
+    # make a few early tokens (with gaps) deviate, so exactly they are selected; they are recomputed in
+    # every layer, so with a correct mask the blend still reproduces full prefill exactly
+    _perturb(eng, prompt.chunk_ids[0], [2, 9, 15])
+    _perturb(eng, prompt.chunk_ids[1], [4, 11])
+    expect = [4 + 2, 4 + 9, 4 + 15, 25 + 4, 25 + 11]
+    full = full_logits(model, prompt)
+    exact = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.model(input_ids=torch.tensor([prompt.input_ids]), cache=exact, use_cache=True)
+    last = eng.adapter.num_layers - 1
+    res = eng.prefill_prompt(prompt, ratio=5 / 68)
+    assert res.selected.tolist() == expect
+    torch.testing.assert_close(res.logits, full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(res.cache.layers[last].values[0][:, expect], exact.layers[last].values[0][:, expect])
+    # the bug of the public implementations: a mask aligned to the bottom right of the active block
+    # lets the recomputed tokens see keys after their own position
+    monkeypatch.setattr(blend_mod, "_causal_mask_by_position", _bottom_right_mask)
+    bad = eng.prefill_prompt(prompt, ratio=5 / 68)
+    assert bad.selected.tolist() == expect
+    assert (bad.cache.layers[last].values[0][:, expect] - exact.layers[last].values[0][:, expect]).abs().max() > 1e-2
+    assert (bad.logits - full).abs().max() > 1e-3
+
+
+def _naive_reference(model, eng: BlendEngine, prompt: Prompt):
+    """Naive fusion without the engine: stored chunk K/V rotated with HF's own apply_rotary_pos_emb,
+    concatenated after the prefix, then the suffix run through the model on top."""
+    rot = model.model.rotary_emb
+    ks, vs = [[] for _ in range(eng.adapter.num_layers)], [[] for _ in range(eng.adapter.num_layers)]
+    entries = [(eng.store.get(eng.prefix_key(prompt.prefix_ids)), 0)]
+    entries += [(eng.store.get(eng.chunk_key(ids)), s) for ids, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
+    for entry, start in entries:
+        n = entry.meta.num_tokens
+        cos, sin = rot(torch.zeros(1), torch.full((1, n), start - entry.meta.start_pos))
+        for li, (k, v) in enumerate(entry.layers):
+            _, k_rot = apply_rotary_pos_emb(k[None], k[None], cos, sin)
+            ks[li].append(k_rot)
+            vs[li].append(v[None])
+    cache = DynamicCache(config=model.config)
+    for li in range(len(ks)):
+        cache.update(torch.cat(ks[li], 2), torch.cat(vs[li], 2), li)
+    ctx = cache.get_seq_length()
+    suffix = torch.tensor([prompt.suffix_ids])
+    with torch.no_grad():
+        out = model(suffix, cache=cache, use_cache=True, position_ids=torch.arange(ctx, ctx + suffix.shape[1])[None])
+    return out.logits[0, -1], out.cache
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_ratio_zero_equals_naive_fusion_and_suffix_is_recomputed(kind):
+    model = models.tiny_model(kind)
+    prompt = make_prompt(seed=7)
+    eng = engine(model)
+    eng.prefill_prompt(prompt)
+    res = eng.prefill_prompt(prompt, ratio=0.0)
+    ref_logits, ref_cache = _naive_reference(model, eng, prompt)
+    torch.testing.assert_close(res.logits, ref_logits.float(), atol=1e-4, rtol=0)
+    assert res.stats.recomputed_tokens == 0
+    T = prompt.num_tokens
+    for li in range(eng.adapter.num_layers):  # suffix rows (but the last token) are fresh, as in the reference
+        s = T - len(prompt.suffix_ids)
+        torch.testing.assert_close(res.cache.layers[li].keys[..., s:, :], ref_cache.layers[li].keys[..., s : T - 1, :])
+
+
+def test_suffix_is_active_in_every_layer_and_selection_has_the_ratio(monkeypatch):
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=9, sizes=(40, 40, 20))
+    eng = engine(model, check_layers=(1, 2), first_ratio=0.6)
+    eng.prefill_prompt(prompt)
+    seen = []
+    orig = blend_mod._FusedCache.update
+
+    def spy(self, k, v, layer_idx, *a, **kw):
+        seen.append((layer_idx, self.active.clone()))
+        return orig(self, k, v, layer_idx, *a, **kw)
+
+    monkeypatch.setattr(blend_mod._FusedCache, "update", spy)
+    res = eng.prefill_prompt(prompt, ratio=0.2)
+    T, S, C = prompt.num_tokens, len(prompt.suffix_ids), 100
+    suffix = set(range(T - S, T))
+    counts = {}
+    for li, active in seen:
+        assert suffix <= set(active.tolist()), f"layer {li} skipped suffix tokens"
+        counts[li] = active.numel() - S
+    # layers 0..2 compute every chunk token; gradual filtering keeps 60% after layer 1, 20% after layer 2
+    assert counts[0] == counts[1] == C and counts[2] == math.ceil(0.6 * C) and counts[3] == math.ceil(0.2 * C)
+    assert res.stats.recomputed_tokens == math.ceil(0.2 * C)
+    assert res.selected.numel() == math.ceil(0.2 * C) and (res.selected < T - S).all()
+
+
+@pytest.mark.parametrize("signal", ["k", "v", "kv"])
+def test_selection_signals_pick_the_most_deviating_tokens(signal):
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=11, sizes=(30, 30))
+    eng = engine(model, signal=signal)
+    _store_exact_caches(eng, model, prompt)
+    # corrupt the cached V/K of 5 known tokens of chunk 2 (positions 4+30+[3, 8, 13, 18, 23]): exact
+    # caches elsewhere mean those five have by far the largest deviation at the check layer
+    bad = [3, 8, 13, 18, 23]
+    _perturb(eng, prompt.chunk_ids[1], bad)
+    res = eng.prefill_prompt(prompt, ratio=5 / 60)
+    assert sorted(res.selected.tolist()) == [4 + 30 + b for b in bad]
+
+
+def test_unsupported_architectures_are_refused_clearly():
+    with pytest.raises(UnsupportedModelError, match="depends on sequence length"):
+        ModelAdapter.of(models.tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                     "factor": 2.0}))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="Llama-family layout"):
+        BlendEngine(gpt2, None, MemoryStore(), template=TEMPLATE)
+    windowed = models.tiny_model("mistral", sliding_window=16)
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        engine(windowed).prefill_prompt(make_prompt())
+    with pytest.raises(UnsupportedModelError, match="partial rotary"):
+        ModelAdapter.of(models.tiny_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                     "partial_rotary_factor": 0.5}))
+
+
+def test_bad_inputs_are_clear_errors():
+    model = models.tiny_model("llama")
+    eng = engine(model)
+    with pytest.raises(ValueError, match="ratio"):
+        eng.prefill_prompt(make_prompt(), ratio=1.5)
+    with pytest.raises(ValueError, match="ratio"):
+        BlendConfig(ratio=-0.1)
+    with pytest.raises(ValueError, match="signal"):
+        BlendConfig(signal="q")
+    with pytest.raises(ValueError, match="check layer"):
+        engine(model, check_layers=(9,)).prefill_prompt(make_prompt())
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        eng.prefill_prompt(make_prompt(sizes=(1500, 700)))
+
+
+def test_missing_and_corrupt_entries_are_recomputed_and_written_back():
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=13)
+    eng = engine(model)
+    first = eng.prefill_prompt(prompt, ratio=1.0)
+    assert first.stats.misses == 3 and first.stats.hits == 0
+    second = eng.prefill_prompt(prompt, ratio=1.0)
+    assert second.stats.misses == 0 and second.stats.hits == 3
+    torch.testing.assert_close(first.logits, second.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_engine_runs_with_either_kernel_backend(backend):
+    pytest.importorskip("triton")
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=17, sizes=(9, 6))
+    eng = engine(model)
+    eng.prefill_prompt(prompt)
+    ref = full_logits(model, prompt)
+    with ops.use_backend(backend):
+        res = eng.prefill_prompt(prompt, ratio=1.0)
+        naive = eng.prefill_prompt(prompt, ratio=0.3)
+    torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=0)
+    with ops.use_backend("torch"):
+        naive_torch = eng.prefill_prompt(prompt, ratio=0.3)
+    torch.testing.assert_close(naive.logits, naive_torch.logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_from_stored_chunks(smollm2, tmp_path):
+    from pathlib import Path
+
+    from ragkv.store import open_store
+
+    model, tokenizer = smollm2
+    docs = Path(__file__).parents[1] / "examples" / "data" / "docs"
+    contexts = [(docs / "orbit.md").read_text(), (docs / "lighthouse.md").read_text()]
+    store = open_store(f"disk://{tmp_path}/store")
+    eng = BlendEngine(model, tokenizer, store)
+    keys, computed = eng.ensure(contexts)
+    assert computed == 2 and all(store.contains(k) for k in keys)
+    # a fresh engine over the same store: everything is served from disk
+    eng2 = BlendEngine(model, tokenizer, open_store(f"disk://{tmp_path}/store"))
+    answer, res, _ = eng2.generate("Who designed the Harwick Point Lighthouse?", contexts, max_new_tokens=24)
+    assert res.stats.hits == 2 and res.stats.misses == 0
+    assert "Tolland" in answer, answer
