@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 import click
 
 from ragkv._version import __version__
+
+_STORE_HELP = "store URI(s), comma-separated = tiers (env RAGKV_STORE)"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,6 +22,139 @@ def main() -> None:
     Store URIs (comma-separated list = tiers, fastest first):
       memory[://?max_bytes=1G]   disk:///path[?max_bytes=10G]   redis://host:6379/0
     """
+
+
+def _open_store(uris: str):
+    from ragkv.store import open_store
+
+    try:
+        return open_store(uris)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--store") from None
+
+
+def _shard(ctx, param, value):
+    from ragkv.precompute import parse_shard
+
+    try:
+        return parse_shard(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="model name or local HuggingFace directory")
+@click.option("--chunk-tokens", default=512, show_default=True, type=click.IntRange(16, None),
+              help="max cached tokens per chunk")
+@click.option("--dtype", "storage_dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
+              default=None, help="storage dtype of the entries  [default: the model's]")
+@click.option("--quant-axis", type=click.Choice(["auto", "token", "channel"]), default=None,
+              help="int8 scale axis  [default: auto = K per channel, V per token]")
+@click.option("--namespace", default="", help="cache salt; readers must use the same one")
+@click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(1, None),
+              help="padded tokens per forward")
+@click.option("--shard", callback=_shard, default=None, metavar="I/N",
+              help="only chunks whose key is in shard I of N (split one corpus over N machines)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar on stderr")
+def precompute(paths, store_uri, model_name, chunk_tokens, storage_dtype, quant_axis, namespace,
+               batch_tokens, shard, as_json, progress):
+    """Chunk, prefill and store documents: .txt/.md files, .jsonl (field "text"), folders (recursive).
+
+    Idempotent: chunks already in the store are skipped, so a killed run just runs again. Files that
+    are binary, empty or not UTF-8 are reported and skipped. Exit status 1 when a chunk failed.
+    """
+    from pathlib import Path
+
+    from ragkv import models
+    from ragkv.precompute import precompute as run
+
+    if quant_axis is not None and storage_dtype != "int8":
+        raise click.BadParameter("only meaningful with --dtype int8", param_hint="--quant-axis")
+    store = _open_store(store_uri)
+    try:
+        model, tok = models.load(model_name)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    with store:
+        summary = run([Path(p) for p in paths], model, tok, store, chunk_tokens, storage_dtype=storage_dtype,
+                      quant_axis=quant_axis, namespace=namespace, batch_tokens=batch_tokens, shard=shard,
+                      progress=progress)
+    click.echo(summary.describe(), err=True)
+    if as_json:
+        click.echo(json.dumps(summary.as_dict()))
+    if summary.failed:
+        sys.exit(1)
+
+
+def _tiers(store) -> list[dict]:
+    st = store.stats()
+    rows = st.get("tiers", [st])
+    subs = getattr(store, "tiers", [store])
+    for row, sub in zip(rows, subs):
+        if row.get("entries") is None:  # redis does not count: list its keys
+            try:
+                row["entries"] = sum(1 for _ in sub.keys())  # noqa: SIM118 - KVStore.keys()
+            except Exception:  # unreachable backend
+                row["entries"] = None
+    return rows
+
+
+@main.command()
+@click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
+@click.option("--json", "as_json", is_flag=True, help='one JSON object: {"tiers": [{"uri", "entries", ...}]}')
+def stats(store_uri, as_json):
+    """Entries and bytes per tier, and this process's hit/miss/corruption counters."""
+    with _open_store(store_uri) as store:
+        rows = _tiers(store)
+    if as_json:
+        click.echo(json.dumps({"tiers": rows}))
+        return
+    cols = ("entries", "bytes", "max_bytes", "hits", "misses", "corruptions", "evictions", "errors")
+    width = max(len("uri"), *(len(r["uri"]) for r in rows))
+    click.echo(f"{'uri':<{width}}  " + "  ".join(f"{c:>11}" for c in cols))
+    for r in rows:
+        vals = ["-" if r.get(c) is None else str(r[c]) for c in cols]
+        click.echo(f"{r['uri']:<{width}}  " + "  ".join(f"{v:>11}" for v in vals))
+
+
+@main.command()
+@click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+def clear(store_uri, yes):
+    """Delete every entry of the store (every tier)."""
+    with _open_store(store_uri) as store:
+        n = sum(1 for _ in store.keys())  # noqa: SIM118 - KVStore.keys()
+        if not yes:
+            click.confirm(f"delete {n} entries from {store.uri}?", abort=True, err=True)
+        store.clear()
+    click.echo(f"cleared {n} entries from {store_uri}", err=True)
+
+
+@main.command()
+@click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
+@click.option("--max-bytes", required=True, help="evict least recently used entries down to this size (e.g. 10G)")
+def evict(store_uri, max_bytes):
+    """Evict least recently used entries of disk tiers until each fits --max-bytes."""
+    from ragkv.store.base import size_from_str
+
+    try:
+        limit = size_from_str(max_bytes)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--max-bytes") from None
+    if limit is None:
+        raise click.BadParameter("give a size (0 empties the store)", param_hint="--max-bytes")
+    with _open_store(store_uri) as store:
+        for tier in getattr(store, "tiers", [store]):
+            if not hasattr(tier, "evict"):
+                click.echo(f"{tier.uri}: no eviction here (redis: use maxmemory/ttl)", err=True)
+                continue
+            tier.max_bytes = limit
+            n = tier.evict()
+            click.echo(f"{tier.uri}: evicted {n} entries", err=True)
 
 
 if __name__ == "__main__":

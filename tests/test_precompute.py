@@ -1,0 +1,221 @@
+"""The write path (ragkv.precompute, `ragkv precompute`): reading sources, idempotence, keys equal to
+the read path's, shards, kill -9 + restart, Redis. Model tests use the real SmolLM2 on the four
+example documents (~1.2k tokens)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ragkv.blend import BlendEngine
+from ragkv.chunking import chunk_document
+from ragkv.cli import main
+from ragkv.precompute import PrecomputeSummary, key_shard, parse_shard, precompute, read_documents
+from ragkv.store import open_store
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = sorted((REPO / "examples" / "data" / "docs").glob("*.md"))
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+JSONL = (
+    '{"text": "Tea is brewed from the leaves of Camellia sinensis."}\n'
+    "not json\n"
+    '{"nope": 1}\n'
+    '{"text": "Rivers carry boats and sediment to the sea."}\n'
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "sub").mkdir()
+    for i, p in enumerate(DOCS):
+        ((d / "sub") if i % 2 else d).joinpath(p.name).write_text(p.read_text())
+    (d / "blob.txt").write_bytes(b"\x89PNG\x00\x01\x02\x03" * 10)
+    (d / "empty.md").write_text("")
+    (d / "latin1.txt").write_bytes("café crème, très bien".encode("latin-1"))
+    (d / "more.jsonl").write_text(JSONL)
+    return d
+
+
+def _chunk_texts(tok, paths, chunk_tokens):
+    from ragkv.prompt import PromptTemplate
+
+    tpl = PromptTemplate.for_tokenizer(tok)
+    texts = [p.read_text() for p in paths]
+    return [c for t in texts for c in chunk_document(t, tpl, chunk_tokens)]
+
+
+def _cli(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return r, (json.loads(r.stdout) if "--json" in args and r.stdout.strip() else None)
+
+
+# ----------------------------------------------------------------------------- fast, no model
+
+
+def test_parse_shard():
+    assert parse_shard("1/4") == (1, 4) and parse_shard(None) is None and parse_shard((0, 1)) == (0, 1)
+    for bad in ("4/4", "x", "1/0", "-1/3", "1/2/3", ""):
+        with pytest.raises(ValueError):
+            parse_shard(bad)
+
+
+def test_key_shard_stable():
+    key = "ragkv1-" + "0" * 62 + "0b"
+    assert key_shard(key, 4) == 11 % 4 and key_shard(key, 1) == 0
+
+
+def test_read_documents_reports_bad_files(corpus):
+    s = PrecomputeSummary()
+    docs = read_documents([corpus, corpus / "missing.md", "an inline text", "  "], s)
+    names = {Path(d.split(":")[0]).name for d, _ in docs if not d.startswith("<")}
+    assert names == {p.name for p in DOCS} | {"more.jsonl"}
+    assert s.docs == len(DOCS) + 2 + 1  # 4 files, 2 good .jsonl lines, 1 inline text
+    reasons = {Path(f["path"]).name: f["reason"] for f in s.files_skipped}
+    assert reasons["blob.txt"].startswith("binary") and reasons["empty.md"] == "empty"
+    assert reasons["latin1.txt"].startswith("not UTF-8") and "no such file" in reasons["missing.md"]
+    assert [b["line"] for b in s.bad_lines] == [2, 3]
+
+
+# ----------------------------------------------------------------------------- real model
+
+
+@pytest.mark.slow
+def test_cli_disk_idempotent_stats_and_engine_keys(corpus, tmp_path, smollm2):
+    uri = f"disk://{tmp_path / 'store'}"
+    r, first = _cli("precompute", corpus, "--store", uri, "--chunk-tokens", 256, "--json")
+    assert r.exit_code == 0, r.output
+    assert first["docs"] == len(DOCS) + 2 and first["failed"] == 0 and first["skipped"] == 0
+    assert first["new"] == first["chunks"] > len(DOCS) and first["bytes_written"] > 0
+    assert first["tokens_per_s"] > 0 and len(first["files_skipped"]) == 3
+    assert "tokens/s" in r.stderr  # the summary (and the progress bar) go to stderr
+
+    r, second = _cli("precompute", corpus, "--store", uri, "--chunk-tokens", 256, "--json")
+    assert r.exit_code == 0 and second["new"] == 0 and second["skipped"] == first["chunks"]
+    assert second["bytes_written"] == 0
+
+    r, st = _cli("stats", "--store", uri, "--json")
+    assert st["tiers"][0]["entries"] == first["chunks"]
+
+    # the read path finds every chunk the job wrote: 0 misses
+    model, tok = smollm2
+    texts = _chunk_texts(tok, DOCS, 256)
+    with open_store(uri) as store:
+        engine = BlendEngine(model, tok, store)
+        assert {engine.chunk_key(engine.template.chunk_ids(t)) for t in texts} <= set(store.keys())
+        res = engine.prefill("What is this about?", texts[:3])
+        assert res.stats.misses == 0 and res.stats.hits == 3
+
+
+@pytest.mark.slow
+def test_shards_cover_every_chunk_once(smollm2):
+    model, tok = smollm2
+    texts = [p.read_text() for p in DOCS[:2]]
+    halves = []
+    for i in range(2):
+        store = open_store("memory")
+        s = precompute(texts, model, tok, store, chunk_tokens=96, shard=f"{i}/2", storage_dtype="int8")
+        assert s.failed == 0 and s.new == s.chunks == len(list(store.keys()))
+        halves.append(set(store.keys()))
+    engine = BlendEngine(model, tok, open_store("memory"))
+    every = {engine.chunk_key(engine.template.chunk_ids(c)) for c in _chunk_texts(tok, DOCS[:2], 96)}
+    assert halves[0] and halves[1] and not halves[0] & halves[1]
+    assert halves[0] | halves[1] == every
+
+
+@pytest.mark.slow
+def test_kill9_mid_run_then_rerun(corpus, tmp_path, smollm2):
+    root = tmp_path / "store"
+    cmd = [sys.executable, "-m", "ragkv.cli", "precompute", str(corpus), "--store", f"disk://{root}",
+           "--chunk-tokens", "32", "--batch-tokens", "192", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list(root.glob("objects/*/*.kv")):
+            assert proc.poll() is None, "the job ended before it could be killed"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    model, tok = smollm2
+    with open_store(f"disk://{root}") as store:
+        before = len(list(store.keys()))
+        s = precompute([corpus], model, tok, store, chunk_tokens=32, batch_tokens=192)
+        assert s.failed == 0 and s.skipped >= before >= 1 and s.new >= 1
+        keys = list(store.keys())
+        assert len(keys) == s.chunks
+        assert all(store.get(k) is not None for k in keys)
+        assert store.stats()["corruptions"] == 0
+
+
+# ----------------------------------------------------------------------------- redis
+
+
+def _redis_url() -> str:
+    """127.0.0.1:6379 (db 9), else a redis-server of our own; no redis: skip, or FAIL under CI."""
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return "redis://127.0.0.1:6379/9"
+    except OSError:
+        pass
+    spec = importlib.util.spec_from_file_location("_store_conftest", REPO / "tests" / "store" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        srv = mod.RedisServer().start()
+    except (FileNotFoundError, RuntimeError) as e:
+        if IN_CI:
+            pytest.fail(f"CI is set but no redis answers: {e}")
+        pytest.skip(f"no redis: {e}")
+    _SERVERS.append(srv)
+    return srv.url
+
+
+_SERVERS: list = []
+
+
+@pytest.fixture
+def redis_uri():
+    ns = f"ragkv-test-{uuid.uuid4().hex[:10]}:"
+    uri = f"{_redis_url()}?namespace={ns}"
+    yield uri, ns
+    with open_store(uri) as store:
+        store.clear()
+    while _SERVERS:
+        _SERVERS.pop().stop()
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_cli_redis_twice(redis_uri, tmp_path, smollm2):
+    uri, ns = redis_uri
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / DOCS[0].name).write_text(DOCS[0].read_text())
+    args = ("precompute", tmp_path / "d", "--store", uri, "--namespace", ns, "--chunk-tokens", 128, "--json")
+    r, first = _cli(*args)
+    assert r.exit_code == 0, r.output
+    assert first["new"] == first["chunks"] >= 2 and first["failed"] == 0
+    r, second = _cli(*args)
+    assert second["new"] == 0 and second["skipped"] == first["chunks"]
+    r, st = _cli("stats", "--store", uri, "--json")
+    assert st["tiers"][0]["entries"] == first["chunks"]
+    model, tok = smollm2
+    with open_store(uri) as store:
+        engine = BlendEngine(model, tok, store, namespace=ns)
+        texts = _chunk_texts(tok, DOCS[:1], 128)
+        keys = [engine.chunk_key(engine.template.chunk_ids(t)) for t in texts]
+        assert set(keys) == set(store.keys()) and all(store.get(k) is not None for k in keys)
