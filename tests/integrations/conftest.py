@@ -1,0 +1,36 @@
+"""Fixtures for the integrations: a fresh BlendedGenerator over SmolLM2 and an in-memory store per test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ragkv.store import open_store
+
+DOCS = Path(__file__).resolve().parents[2] / "examples" / "data" / "docs"
+
+# three short chunks (~25 tokens each): keep CPU time down, the blend is the same at any size
+CONTEXTS = [
+    "The Harwick Point Lighthouse was designed by the engineer Agnes Tolland in 1871.",
+    "Its light can be seen from 22 nautical miles away on a clear night.",
+    "The lighthouse was built after the schooner Margaret Ellen sank on the reef.",
+]
+QUESTION = "Who designed the Harwick Point Lighthouse?"
+
+
+@pytest.fixture
+def make_gen(smollm2):
+    from ragkv.integrations.hf import BlendedGenerator
+
+    model, tokenizer = smollm2
+
+    def make(ratio: float = 0.15, store=None):
+        return BlendedGenerator(model, tokenizer, store or open_store("memory"), ratio=ratio)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def docs() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(DOCS.glob("*.md"))}

@@ -1,0 +1,81 @@
+"""BlendedGenerator: exactness at ratio=1, reuse on the second call, streaming, batches, bad input."""
+
+from __future__ import annotations
+
+import math
+from threading import Thread
+
+import pytest
+import torch
+from conftest import CONTEXTS, QUESTION
+
+pytestmark = pytest.mark.slow
+NEW = 4
+
+
+def test_ratio_one_equals_plain_generate(make_gen, smollm2):
+    model, _ = smollm2
+    gen = make_gen(ratio=1.0)
+    out = gen.generate(QUESTION, CONTEXTS, max_new_tokens=NEW)
+    ids = torch.tensor([gen.engine.build_prompt(QUESTION, CONTEXTS).input_ids])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                             temperature=None, top_p=None, top_k=None, pad_token_id=gen.engine._pad_id())
+    assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+    assert out.misses == len(CONTEXTS) and out.hits == 0
+
+
+def test_second_call_hits_and_recomputes_only_selected(make_gen):
+    gen = make_gen(ratio=0.15)
+    first = gen.generate(QUESTION, CONTEXTS, max_new_tokens=1)
+    assert (first.hits, first.misses, first.reused_tokens) == (0, 3, 0)
+    second = gen.generate(QUESTION, CONTEXTS, max_new_tokens=1)
+    n_chunk = sum(len(gen.engine.template.chunk_ids(c)) for c in CONTEXTS)
+    assert (second.hits, second.misses) == (3, 0)
+    assert second.reused_tokens == n_chunk
+    assert second.recomputed_tokens == math.ceil(0.15 * n_chunk)
+    assert 0 < second.ttft <= second.t_total
+    assert second.stats_dict()["ttft"] == second.ttft
+
+
+def test_streaming_yields_the_same_text(make_gen):
+    from transformers import TextIteratorStreamer
+
+    gen = make_gen()
+    plain = gen.generate(QUESTION, CONTEXTS, max_new_tokens=NEW)
+    streamer = TextIteratorStreamer(gen.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    box = {}
+    thread = Thread(target=lambda: box.update(res=gen.generate(QUESTION, CONTEXTS, max_new_tokens=NEW,
+                                                                    streamer=streamer)))
+    thread.start()
+    pieces = list(streamer)
+    thread.join()
+    assert len(pieces) >= 1
+    assert "".join(pieces).strip() == plain.text == box["res"].text
+    assert box["res"].misses == 0
+
+
+def test_batch_returns_one_result_per_question(make_gen):
+    gen = make_gen()
+    outs = gen.generate([QUESTION, "How far can the light be seen?"], [CONTEXTS[:2], CONTEXTS[1:]],
+                        max_new_tokens=1)
+    assert [len(o.token_ids) for o in outs] == [1, 1]
+    assert (outs[0].misses, outs[1].hits, outs[1].misses) == (2, 1, 1)  # the shared chunk hits
+    with pytest.raises(ValueError, match="one list of contexts per question"):
+        gen.generate([QUESTION, QUESTION], [CONTEXTS])
+
+
+def test_bad_input_gives_clear_errors(make_gen):
+    gen = make_gen()
+    with pytest.raises(ValueError, match="contexts is empty"):
+        gen.generate(QUESTION, [])
+    with pytest.raises(TypeError, match="context 1 is a int, expected str"):
+        gen.generate(QUESTION, [CONTEXTS[0], 42])
+    with pytest.raises(TypeError, match="not one string"):
+        gen.generate(QUESTION, CONTEXTS[0])
+    with pytest.raises(ValueError, match="context 1 is empty"):
+        gen.generate(QUESTION, [CONTEXTS[0], "  "])
+    huge = "lighthouse " * (gen.max_tokens + 10)
+    with pytest.raises(ValueError, match=r"context 1 \('lighthouse lighthouse.*longer than the model's window"):
+        gen.generate(QUESTION, [CONTEXTS[0], huge])
+    assert len(gen.engine.store) == 0 if hasattr(gen.engine.store, "__len__") else True  # nothing computed
