@@ -1,0 +1,103 @@
+"""Precompute throughput vs the model's plain forward on the same chunks, in the same run.
+
+    corpus   plain-text docs of stdlib modules (pydoc), chunked by ragkv's chunker; the first
+             --chunks chunks of --chunk-tokens (real text, no internet needed)
+    plain    model.model(input_ids) over the same padded batches precompute runs (sink + chunk,
+             longest first, --batch-tokens per forward); no store, nothing kept
+    ours     ragkv.precompute.precompute(chunk texts, ...) into a fresh disk store: re-chunking,
+             tokenizing, keys, contains, prefill_kv, encode + fsync'd atomic writes (background thread)
+    tokens/s counts chunk tokens (the cached ones) for both; the ratio is ours / plain.
+
+    .venv/bin/python benchmarks/precompute/bench_precompute.py [--chunks 20] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pydoc
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ragkv import models
+from ragkv.blend import BlendEngine
+from ragkv.chunking import chunk_document
+from ragkv.precompute import _batches, _Planned, precompute
+from ragkv.store import open_store
+
+MODULES = ("collections", "pathlib", "json", "argparse", "subprocess", "threading", "itertools", "functools",
+           "logging", "email.message", "http.client", "unittest", "sqlite3", "datetime", "re")
+
+
+def corpus_chunks(tok, n: int, chunk_tokens: int) -> list[str]:
+    from ragkv.prompt import PromptTemplate
+
+    tpl = PromptTemplate.for_tokenizer(tok)
+    out: list[str] = []
+    for name in MODULES:
+        text = pydoc.render_doc(name, renderer=pydoc.plaintext)
+        # full chunks only: the benchmark is about ~chunk_tokens-long chunks
+        out += [c for c in chunk_document(text, tpl, chunk_tokens) if len(tpl.chunk_ids(c)) > 0.8 * chunk_tokens]
+        if len(out) >= n:
+            return out[:n]
+    raise SystemExit(f"only {len(out)} chunks of ~{chunk_tokens} tokens in the corpus")
+
+
+@torch.inference_mode()
+def plain_forward(model, engine, texts, batch_tokens: int) -> float:
+    planned = [_Planned("", engine.template.chunk_ids(t)) for t in texts]
+    sink = engine.sink_ids
+    t0 = time.perf_counter()
+    for batch in _batches(planned, len(sink), batch_tokens):
+        width = len(sink) + len(batch[0].ids)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, c in enumerate(batch):
+            ids[row, : len(sink) + len(c.ids)] = torch.tensor([*sink, *c.ids])
+        model.model(input_ids=ids)
+    return sum(len(c.ids) for c in planned) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--chunks", type=int, default=20)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default=None, help="storage dtype (default: the model's)")
+    args = ap.parse_args()
+
+    model, tok = models.load(args.model)
+    texts = corpus_chunks(tok, args.chunks, args.chunk_tokens)
+    engine = BlendEngine(model, tok, open_store("memory"))  # keys/sink only; warms the fingerprint
+    n_tok = sum(len(engine.template.chunk_ids(t)) for t in texts)
+    plain_forward(model, engine, texts[:2], args.batch_tokens)  # warm-up
+    plain, ours, secs, mib = [], [], [], 0.0
+    for _ in range(args.repeats):
+        plain.append(plain_forward(model, engine, texts, args.batch_tokens))
+        root = tempfile.mkdtemp(prefix="ragkv-bench-")
+        try:
+            with open_store(f"disk://{root}") as store:
+                s = precompute(texts, model, tok, store, args.chunk_tokens, batch_tokens=args.batch_tokens,
+                               storage_dtype=args.dtype)
+            assert s.failed == 0 and s.new == len(texts), s.describe()
+            ours.append(s.tokens_per_s)
+            secs.append(s.seconds)
+            mib = s.bytes_written / 2**20
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    p, o = statistics.median(plain), statistics.median(ours)
+    print(f"model {args.model}  torch threads {torch.get_num_threads()}  {len(texts)} chunks, {n_tok} tokens, "
+          f"batch_tokens {args.batch_tokens}, storage {args.dtype or str(model.dtype).removeprefix('torch.')}, {mib:.0f} MiB per run")
+    print("| run | plain forward tok/s | precompute tok/s | ratio |")
+    print("|---|---|---|---|")
+    for i, (a, b) in enumerate(zip(plain, ours)):
+        print(f"| {i + 1} | {a:.1f} | {b:.1f} | {b / a:.1%} |")
+    print(f"| median | {p:.1f} | {o:.1f} | **{o / p:.1%}** |")
+
+
+if __name__ == "__main__":
+    main()
