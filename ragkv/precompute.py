@@ -210,10 +210,16 @@ class _Writer:
         self.thread.start()
 
     def submit(self, batch: list[_Planned], kvs: list) -> None:
-        self.q.put((batch, kvs))
+        while True:
+            try:
+                return self.q.put((batch, kvs), timeout=1.0)
+            except queue.Full:
+                if not self.thread.is_alive():
+                    raise RuntimeError("the precompute writer thread died") from None
 
     def close(self) -> None:
-        self.q.put(None)
+        if self.thread.is_alive():
+            self.q.put(None)
         self.thread.join()
 
     def _run(self) -> None:
@@ -225,6 +231,8 @@ class _Writer:
                 try:
                     enc = encode(eng._meta(c.key, c.ids, start, eng.policy_id), kv)
                     wrote = eng.store.put_encoded(c.key, enc)
+                    if not wrote and not eng.store.contains(c.key):  # e.g. every tier failed (logged)
+                        raise RuntimeError("the store took nothing (see its log)")
                 except Exception as e:  # a failed write never aborts the job
                     with self.lock:
                         s.failed += 1

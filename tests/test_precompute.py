@@ -138,7 +138,7 @@ def test_shards_cover_every_chunk_once(smollm2):
 def test_kill9_mid_run_then_rerun(corpus, tmp_path, smollm2):
     root = tmp_path / "store"
     cmd = [sys.executable, "-m", "ragkv.cli", "precompute", str(corpus), "--store", f"disk://{root}",
-           "--chunk-tokens", "32", "--batch-tokens", "192", "--no-progress"]
+           "--chunk-tokens", "64", "--batch-tokens", "256", "--no-progress"]  # small batches: many writes
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
         deadline = time.monotonic() + 120
@@ -152,12 +152,26 @@ def test_kill9_mid_run_then_rerun(corpus, tmp_path, smollm2):
     model, tok = smollm2
     with open_store(f"disk://{root}") as store:
         before = len(list(store.keys()))
-        s = precompute([corpus], model, tok, store, chunk_tokens=32, batch_tokens=192)
+        s = precompute([corpus], model, tok, store, chunk_tokens=64)
         assert s.failed == 0 and s.skipped >= before >= 1 and s.new >= 1
         keys = list(store.keys())
         assert len(keys) == s.chunks
         assert all(store.get(k) is not None for k in keys)
         assert store.stats()["corruptions"] == 0
+
+
+@pytest.mark.slow
+def test_failed_writes_are_counted_not_fatal(smollm2):
+    from ragkv.store import StoreError
+    from ragkv.store.memory import MemoryStore
+
+    class Broken(MemoryStore):
+        def _store(self, key, enc, layout, owned):
+            raise StoreError("disk on fire")
+
+    model, tok = smollm2
+    s = precompute(["A short note about lighthouses.", "Another one, about sourdough."], model, tok, Broken())
+    assert s.chunks == 2 and s.failed == 2 and s.new == 0 and "disk on fire" in s.errors[0]
 
 
 # ----------------------------------------------------------------------------- redis
