@@ -49,7 +49,7 @@ def main(store_uri: str) -> None:
     nodes = nodes_from_documents(docs, gen.engine.template, max_tokens=CHUNK_TOKENS)
     retriever = FaissRetriever(nodes, MiniLMEmbedding(), similarity_top_k=2)
     pp = RagKVNodePostprocessor(gen)
-    synth = RagKVSynthesizer(gen, max_new_tokens=16)
+    synth = RagKVSynthesizer(gen, max_new_tokens=32)
     engine = RetrieverQueryEngine(retriever, response_synthesizer=synth, node_postprocessors=[pp])
 
     for q in QUESTIONS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from ragkv.store import open_store
 
@@ -17,6 +18,16 @@ CONTEXTS = [
     "The lighthouse was built after the schooner Margaret Ellen sank on the reef.",
 ]
 QUESTION = "Who designed the Harwick Point Lighthouse?"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread while these tests run: on a shared 2-core machine two OpenMP threads
+    oversubscribe and a SmolLM2 forward goes from ~0.5 s to ~9 s. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -80,3 +80,24 @@ def test_bad_input_gives_clear_errors(make_gen):
         gen.generate(QUESTION, [CONTEXTS[0], huge])
     key = gen.engine.chunk_key(gen.engine.template.chunk_ids(CONTEXTS[0]))
     assert not gen.engine.store.contains(key)  # refused before anything was computed
+
+
+def test_generate_kwargs_pass_through(make_gen):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class AfterTwo(StoppingCriteria):  # stop once two tokens are generated
+        n = 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.n += 1
+            return torch.full((input_ids.shape[0],), self.n >= 2, dtype=torch.bool)
+
+    gen = make_gen()
+    out = gen.generate(QUESTION, CONTEXTS, max_new_tokens=10, stopping_criteria=StoppingCriteriaList([AfterTwo()]))
+    assert len(out.token_ids) == 2
+    sampled = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        sampled.append(gen.generate(QUESTION, CONTEXTS, max_new_tokens=4, do_sample=True, temperature=0.9,
+                                    top_p=0.9).token_ids)
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 4
