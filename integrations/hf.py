@@ -63,13 +63,20 @@ def _describe(i: int, text: str) -> str:
     return f"context {i} ({head[:40]!r}{'...' if len(head) > 40 else ''})"
 
 
-class BlendedGenerator:
-    """``model.generate`` over (question, contexts) with chunk K/V reused from ``store``."""
+DEFAULT_RATIO = 0.15
 
-    def __init__(self, model, tokenizer, store, ratio: float = 0.15, config: BlendConfig | None = None,
+
+class BlendedGenerator:
+    """``model.generate`` over (question, contexts) with chunk K/V reused from ``store``.
+
+    ratio: fraction of reused chunk tokens recomputed (0 = naive reuse, 1 = full prefill). With a
+    ``config``, its ratio is used; an explicit different ``ratio`` as well is an error.
+    engine_kwargs: ``template``, ``policy`` for the BlendEngine (must match the precompute job's)."""
+
+    def __init__(self, model, tokenizer, store, ratio: float = DEFAULT_RATIO, config: BlendConfig | None = None,
                  namespace: str = "", **engine_kwargs):
         config = config or BlendConfig(ratio=ratio)
-        if config.ratio != ratio and ratio != 0.15:
+        if config.ratio != ratio and ratio != DEFAULT_RATIO:
             raise ValueError(f"ratio={ratio} conflicts with config.ratio={config.ratio}; give one of them")
         self.engine = BlendEngine(model, tokenizer, store, config=config, namespace=namespace, **engine_kwargs)
         self.ratio = config.ratio

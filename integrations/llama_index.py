@@ -108,6 +108,7 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
         if not texts:
             self.last_computed = 0
             return nodes
+        self._check_window(nodes, texts)
         keys, self.last_computed = self._engine.ensure(texts)
         for n, key in zip(nodes, keys):
             n.node.metadata[self.key_field] = key
@@ -117,6 +118,16 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
     async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
                                   query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         return await asyncio.to_thread(self._postprocess_nodes, nodes, query_bundle)
+
+    def _check_window(self, nodes: list[NodeWithScore], texts: list[str]) -> None:
+        limit = getattr(self._engine.model.config, "max_position_embeddings", None)
+        for n, text in zip(nodes, texts):
+            if limit is None or len(text) <= limit // 2:  # a token is >= 1 char: most nodes skip tokenizing
+                continue
+            n_tok = len(self._engine.template.chunk_ids(text))
+            if n_tok > limit:
+                raise ValueError(f"node {n.node.node_id} has {n_tok} tokens, longer than the model's window "
+                                 f"({limit}); split documents with ragkv.chunking.chunk_document")
 
 
 class RagKVLLM(CustomLLM):
@@ -273,6 +284,8 @@ class FaissRetriever(BaseRetriever):
         import numpy as np
 
         super().__init__(**kwargs)
+        if not nodes:
+            raise ValueError("FaissRetriever needs at least one node")
         self._nodes = list(nodes)
         self._embed = embed_model
         self._top_k = similarity_top_k

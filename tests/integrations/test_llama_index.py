@@ -41,6 +41,8 @@ def test_postprocessor_attaches_keys_and_keeps_text(make_gen):
     assert pp.last_computed == 0
     with pytest.raises(ValueError, match="has no text"):
         pp.postprocess_nodes([*_nodes(CONTEXTS[:1]), NodeWithScore(node=TextNode(text=" "))])
+    with pytest.raises(ValueError, match="longer than the model's window"):
+        pp.postprocess_nodes(_nodes(["lighthouse " * 9000]))
 
 
 @pytest.mark.slow
