@@ -23,6 +23,7 @@ its K/V are exact and it is never recomputed.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -33,10 +34,12 @@ import torch
 from ragkv.adapter import ModelAdapter
 from ragkv.kernels import dispatch as ops
 from ragkv.keys import chunk_key
+from ragkv.loader import make_loader
 from ragkv.models import fingerprint
 from ragkv.policy import PREFIX_POLICY, PrecomputePolicy, prefill_kv
 from ragkv.prompt import Prompt, PromptTemplate
 from ragkv.store.entry import EntryMeta, StoredLayer
+from ragkv.store.errors import StoreError
 
 SIGNALS = ("k", "v", "kv")
 
@@ -56,6 +59,7 @@ class BlendConfig:
     normalize: bool = False
     storage_dtype: str | None = None  # for chunks computed on a miss and written back; None = model dtype
     quant_axis: str | None = None
+    pipelined: bool = True  # read layer i+1 from the store while layer i computes (ragkv.loader)
 
     def __post_init__(self):
         if not 0.0 <= self.ratio <= 1.0:
@@ -93,6 +97,7 @@ class BlendStats:
     t_fuse: float = 0.0
     t_compute: float = 0.0
     t_total: float = 0.0
+    t_load_io: float = 0.0  # the loader's own read time (t_load: time the compute thread waited)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -221,7 +226,10 @@ class BlendEngine:
             kvs = prefill_kv(self.model, sink, [s.ids for s in group])
             for seg, kv in zip(group, kvs):
                 seg.layers, seg.stored_start = kv, len(sink)
-                self.store.put(self._meta(seg.key, seg.ids, len(sink), policy), kv)
+                try:
+                    self.store.put(self._meta(seg.key, seg.ids, len(sink), policy), kv)
+                except StoreError as e:  # a failed write-back (store down or full) must not fail the request
+                    logging.getLogger("ragkv.blend").warning("write-back of %s failed: %s", seg.key, e)
 
     def ensure(self, contexts: Sequence[str]) -> tuple[list[str], int]:
         """Make sure every context's chunk K/V is in the store; return (keys, number computed)."""
@@ -296,27 +304,37 @@ class BlendEngine:
         body = self.model.model
         hidden = body.embed_tokens(input_ids[:, active])
         selected = None
-        for li, layer in enumerate(body.layers[: a.num_layers]):
-            self._fuse_layer(cache, li, segments, total, load_chunks=li >= first_load, stats=stats)
-            tc = time.perf_counter()
-            cache.active = active
-            if li in ratios:
-                cache.signal = cfg.signal
-                cache.score_rows = torch.nonzero(active < P + C).flatten()
-            pos = active[None]
-            cos_sin = body.rotary_emb(hidden, pos)
-            mask = _causal_mask_by_position(active, total, dtype)
-            hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                           position_embeddings=cos_sin)
-            if li in ratios:
-                keep_n = min(cache.score_rows.numel(), math.ceil(ratios[li] * C - 1e-9))
-                top = ops.select_topk(cache.scores, keep_n)
-                keep_rows = torch.cat([cache.score_rows[top], torch.nonzero(active >= P + C).flatten()])
-                keep_rows = keep_rows.sort().values
-                active, hidden = active[keep_rows], hidden[:, keep_rows]
-                selected = active[active < P + C]
-                cache.signal, cache.scores = None, None
-            stats.t_compute += time.perf_counter() - tc
+        from_store = [s.key for s in segments if s.layers is None]
+        loader = make_loader(cfg.pipelined, self.store, from_store, range(first_load, a.num_layers))
+        with loader:  # closes the loader thread on every exit
+            for li, layer in enumerate(body.layers[: a.num_layers]):
+                loaded = None
+                if li >= first_load and from_store:
+                    tw = time.perf_counter()
+                    loaded = dict(zip(loader.keys, loader.layer(li)))
+                    stats.t_load += time.perf_counter() - tw
+                self._fuse_layer(cache, li, segments, total, load_chunks=li >= first_load, stats=stats,
+                                 loaded=loaded)
+                tc = time.perf_counter()
+                cache.active = active
+                if li in ratios:
+                    cache.signal = cfg.signal
+                    cache.score_rows = torch.nonzero(active < P + C).flatten()
+                pos = active[None]
+                cos_sin = body.rotary_emb(hidden, pos)
+                mask = _causal_mask_by_position(active, total, dtype)
+                hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                               position_embeddings=cos_sin)
+                if li in ratios:
+                    keep_n = min(cache.score_rows.numel(), math.ceil(ratios[li] * C - 1e-9))
+                    top = ops.select_topk(cache.scores, keep_n)
+                    keep_rows = torch.cat([cache.score_rows[top], torch.nonzero(active >= P + C).flatten()])
+                    keep_rows = keep_rows.sort().values
+                    active, hidden = active[keep_rows], hidden[:, keep_rows]
+                    selected = active[active < P + C]
+                    cache.signal, cache.scores = None, None
+                stats.t_compute += time.perf_counter() - tc
+        stats.t_load_io = loader.io_seconds
         tc = time.perf_counter()
         logits = self.model.lm_head(body.norm(hidden[:, -1:]))[0, -1].float()
         handoff = self._handoff(cache, total - 1)
@@ -333,10 +351,14 @@ class BlendEngine:
             and meta.fingerprint == self.fingerprint
         )
 
-    def _segment_layer(self, seg: _Segment, li: int, stats: BlendStats) -> StoredLayer | tuple:
+    def _segment_layer(self, seg: _Segment, li: int, stats: BlendStats,
+                       loaded: dict | None = None) -> StoredLayer | tuple:
         if seg.layers is not None:
             return seg.layers[li]
-        stored = self.store.get_layer(seg.key, li)
+        if loaded is not None and seg.key in loaded:  # read ahead by the loader
+            stored = loaded[seg.key]
+        else:
+            stored = self.store.get_layer(seg.key, li)
         if stored is None:  # vanished or corrupt after the lookup: recompute this segment now
             stats.corrupt += 1
             self.compute_and_store([seg])
@@ -344,7 +366,7 @@ class BlendEngine:
         return stored
 
     def _fuse_layer(self, cache: _FusedCache, li: int, segments, total: int, load_chunks: bool,
-                    stats: BlendStats) -> None:
+                    stats: BlendStats, loaded: dict | None = None) -> None:
         a = self.adapter
         shape = (1, a.num_kv_heads, total, a.head_dim)
         k_all = torch.empty(shape, dtype=a.dtype, device=a.device)
@@ -353,7 +375,7 @@ class BlendEngine:
             if seg.chunk and not load_chunks:
                 continue
             tl = time.perf_counter()
-            item = self._segment_layer(seg, li, stats)
+            item = self._segment_layer(seg, li, stats, loaded)
             tf = time.perf_counter()
             stats.t_load += tf - tl
             n = len(seg.ids)
@@ -379,11 +401,16 @@ class BlendEngine:
         cache.keys[li], cache.values[li] = k_all, v_all
 
     def _handoff(self, cache: _FusedCache, length: int):
+        """A DynamicCache over the first ``length`` positions of the fused K/V, without copying: its
+        layers hold views, and generation's first update concatenates onto them as usual."""
         from transformers import DynamicCache
 
         dc = DynamicCache(config=self.model.config)
         for li in range(self.adapter.num_layers):
-            dc.update(cache.keys[li][:, :, :length].contiguous(), cache.values[li][:, :, :length].contiguous(), li)
+            k, v = cache.keys[li][:, :, :length], cache.values[li][:, :, :length]
+            layer = dc.layers[li]
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
         return dc
 
     # ------------------------------------------------------------------ generation

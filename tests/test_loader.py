@@ -1,0 +1,312 @@
+"""Layer-wise pipelined loading (ragkv.loader): pipelined == sequential, failures end in recompute,
+prefetch stays within its byte bound, and the loader thread never outlives a request."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from ragkv import models
+from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.loader import LayerLoader, SequentialLoader
+from ragkv.prompt import Prompt, PromptTemplate
+from ragkv.store.disk import DiskStore
+from ragkv.store.entry import decode_header, header_nbytes
+from ragkv.store.memory import MemoryStore
+
+TEMPLATE = PromptTemplate(None, prefix_ids=[1, 5, 6, 9], tail_ids=[7, 8])
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def make_prompt(seed: int = 0, sizes=(13, 29, 7, 21), suffix=(40, 41, 42, 7, 8)) -> Prompt:
+    g = torch.Generator().manual_seed(seed)
+    chunks = [torch.randint(10, 500, (n,), generator=g).tolist() for n in sizes]
+    return Prompt(list(TEMPLATE.prefix_ids), chunks, list(suffix))
+
+
+def engine(model, store, pipelined: bool, **cfg) -> BlendEngine:
+    cfg.setdefault("check_layers", (1,))
+    return BlendEngine(model, None, store, config=BlendConfig(pipelined=pipelined, **cfg), template=TEMPLATE)
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ragkv-layer-loader" and t.is_alive()]
+
+
+class FlakyStore:
+    """Delegates to a store; ``get_layer(key, fail_layer)`` of ``fail_key`` raises or returns None."""
+
+    def __init__(self, inner, fail_key: str, fail_layer: int, mode: str):
+        self.inner, self.fail_key, self.fail_layer, self.mode = inner, fail_key, fail_layer, mode
+
+    def get_layer(self, key, i):
+        if key == self.fail_key and i == self.fail_layer:
+            if self.mode == "raise":
+                raise RuntimeError("injected read failure")
+            return None
+        return self.inner.get_layer(key, i)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def healthy_run(model, prompt, store):
+    eng = engine(model, store, pipelined=False)
+    eng.prefill_prompt(prompt)  # computes and stores every chunk
+    return eng.prefill_prompt(prompt)
+
+
+# ---------------------------------------------------------------- pipelined == sequential
+
+
+@pytest.mark.parametrize("backend", ["memory", "disk"])
+@pytest.mark.parametrize("storage_dtype", [None, "int8"])
+def test_pipelined_equals_sequential(backend, storage_dtype, tmp_path):
+    model = models.tiny_model("llama")
+    store = MemoryStore() if backend == "memory" else DiskStore(tmp_path / "kv", fsync=False)
+    prompt = make_prompt(seed=1)
+    engine(model, store, False, storage_dtype=storage_dtype).prefill_prompt(prompt)  # fill the store
+    seq = engine(model, store, False, storage_dtype=storage_dtype).prefill_prompt(prompt)
+    pipe = engine(model, store, True, storage_dtype=storage_dtype).prefill_prompt(prompt)
+    assert seq.stats.hits == pipe.stats.hits == 4 and pipe.stats.corrupt == 0
+    assert pipe.stats.t_load_io > 0
+    for li in range(model.config.num_hidden_layers):
+        assert torch.equal(seq.cache.layers[li].keys, pipe.cache.layers[li].keys), li
+        assert torch.equal(seq.cache.layers[li].values, pipe.cache.layers[li].values), li
+    assert torch.equal(seq.logits, pipe.logits)
+    eng = engine(model, store, True)
+    out_seq = eng.generate_from(seq, max_new_tokens=8)
+    out_pipe = eng.generate_from(pipe, max_new_tokens=8)
+    assert out_seq.tolist() == out_pipe.tolist()
+    assert not loader_threads()
+
+
+# ---------------------------------------------------------------- failures end in recompute
+
+
+@pytest.mark.parametrize("mode", ["raise", "none"])
+def test_failing_layer_is_recomputed(mode):
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=2)
+    store = MemoryStore()
+    ref = healthy_run(model, prompt, store)
+    bad_key = engine(model, store, True).chunk_key(prompt.chunk_ids[1])
+    res = engine(model, FlakyStore(store, bad_key, 2, mode), True).prefill_prompt(prompt)
+    assert res.stats.corrupt == 1
+    torch.testing.assert_close(res.logits, ref.logits, atol=1e-4, rtol=0)
+
+
+def _corrupt_layer_on_disk(store: DiskStore, key: str, li: int) -> None:
+    p = store.path(key)
+    data = bytearray(p.read_bytes())
+    _, layout = decode_header(bytes(data[: header_nbytes(bytes(data[:64]))]), key)
+    off = layout.data_offset + layout.layers[li].offset
+    data[off : off + 8] = bytes(b ^ 0xFF for b in data[off : off + 8])
+    p.write_bytes(bytes(data))
+
+
+def test_corrupt_disk_layer_midway_is_recomputed(tmp_path):
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=3)
+    store = DiskStore(tmp_path / "kv", fsync=False)
+    ref = healthy_run(model, prompt, store)
+    eng = engine(model, store, True)
+    key = eng.chunk_key(prompt.chunk_ids[2])
+    _corrupt_layer_on_disk(store, key, 2)  # the header is intact: the lookup passes, layer 2 fails
+    res = eng.prefill_prompt(prompt)
+    assert res.stats.hits == 4 and res.stats.corrupt == 1
+    torch.testing.assert_close(res.logits, ref.logits, atol=1e-4, rtol=0)
+    assert store.contains(key)  # written back by the recompute
+    assert not loader_threads()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_proc():
+    exe = shutil.which("redis-server")
+    if exe is None:
+        if IN_CI:
+            pytest.fail("CI is set but redis-server is not installed")
+        pytest.skip("redis-server not installed")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"redis-server did not answer on port {port}")
+        time.sleep(0.05)
+    yield proc, f"redis://127.0.0.1:{port}/0"
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+class KillOnFirstRead:
+    """Kills the redis-server at the first ``get_layer``: after the lookup, in the middle of a request."""
+
+    def __init__(self, inner, proc):
+        self.inner, self.proc, self.killed = inner, proc, False
+
+    def get_layer(self, key, i):
+        if not self.killed:
+            self.killed = True
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        return self.inner.get_layer(key, i)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_redis_dies_mid_request(redis_proc, pipelined):
+    from ragkv.store.redis_store import RedisStore
+
+    proc, url = redis_proc
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=4)
+    store = RedisStore(url, namespace="loader-test:", socket_timeout=2.0)
+    try:
+        ref = healthy_run(model, prompt, store)
+        assert ref.stats.hits == 4
+        res = engine(model, KillOnFirstRead(store, proc), pipelined).prefill_prompt(prompt)
+        assert proc.poll() is not None and res.stats.corrupt >= 1
+        torch.testing.assert_close(res.logits, ref.logits, atol=1e-4, rtol=0)
+    finally:
+        store.close()
+    assert not loader_threads()
+
+
+# ---------------------------------------------------------------- the loader itself
+
+
+def _filled_store(n_keys: int = 3, n_layers: int = 6):
+    model = models.tiny_model("llama", num_hidden_layers=n_layers)
+    store = MemoryStore()
+    eng = engine(model, store, False)
+    prompt = make_prompt(seed=5, sizes=(17, 17, 17)[:n_keys])
+    eng.prefill_prompt(prompt)
+    keys = [eng.chunk_key(ids) for ids in prompt.chunk_ids]
+    layer_bytes = sum(store.get_layer(k, 0).nbytes for k in keys)
+    return store, keys, layer_bytes
+
+
+class SlowStore:
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def get_layer(self, key, i):
+        time.sleep(self.delay_s)
+        return self.inner.get_layer(key, i)
+
+
+@pytest.mark.parametrize("budget_layers", [0.5, 1, 2, 3])
+def test_prefetch_stays_within_byte_bound(budget_layers):
+    store, keys, layer_bytes = _filled_store()
+    max_bytes = int(budget_layers * layer_bytes)
+    with LayerLoader(store, keys, range(6), prefetch_depth=4, max_bytes=max_bytes) as loader:
+        time.sleep(0.1)  # let it prefetch as far as it may
+        got = []
+        for li in range(6):
+            got.append(loader.layer(li))
+            time.sleep(0.02)
+    assert all(x is not None for layer in got for x in layer)
+    if budget_layers < 1:  # a single layer larger than the bound goes through alone
+        assert loader.peak_bytes == layer_bytes
+    else:
+        assert 0 < loader.peak_bytes <= max_bytes
+    for li, layer in enumerate(got):
+        for key, x in zip(keys, layer):
+            assert torch.equal(x.k, store.get_layer(key, li).k)
+    assert not loader._thread.is_alive() and loader.bytes_in_flight == 0
+
+
+def test_prefetch_depth_bounds_layers_ahead():
+    store, keys, layer_bytes = _filled_store()
+    with LayerLoader(store, keys, range(6), prefetch_depth=2) as loader:
+        time.sleep(0.2)
+        assert loader.peak_bytes <= 2 * layer_bytes
+        assert loader.layer(0) and loader.layer(1)
+
+
+def test_sequential_loader_same_layers():
+    store, keys, _ = _filled_store()
+    seq = SequentialLoader(store, keys, range(2, 6))
+    with LayerLoader(store, keys, range(2, 6)) as pipe:
+        for li in range(2, 6):
+            for a, b in zip(seq.layer(li), pipe.layer(li)):
+                assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+def test_stuck_store_times_out_as_miss():
+    _, keys, _ = _filled_store()
+    release = threading.Event()
+
+    class Stuck:
+        def get_layer(self, key, i):
+            release.wait(5)
+            return None
+
+    t0 = time.monotonic()
+    loader = LayerLoader(Stuck(), keys, range(6), timeout_s=0.3, join_timeout_s=0.1)
+    try:
+        assert loader.layer(0) == [None] * len(keys)
+        assert loader.layer(1) == [None] * len(keys)  # no second wait after a timeout
+    finally:
+        loader.close()
+        release.set()
+    assert time.monotonic() - t0 < 2
+    loader._thread.join(5)
+    assert not loader._thread.is_alive()
+
+
+def test_loader_closed_when_request_raises(monkeypatch):
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=6)
+    eng = engine(model, MemoryStore(), True)
+    eng.prefill_prompt(prompt)
+    real = eng._fuse_layer
+
+    def boom(cache, li, *a, **kw):
+        if li == 2:
+            raise RuntimeError("boom")
+        return real(cache, li, *a, **kw)
+
+    monkeypatch.setattr(eng, "_fuse_layer", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.prefill_prompt(prompt)
+    assert not loader_threads()
+
+
+def test_slow_store_overlaps_reads():
+    store, keys, _ = _filled_store()
+    slow = SlowStore(store, 0.01)
+    with LayerLoader(slow, keys, range(6), prefetch_depth=6) as loader:
+        time.sleep(0.4)  # "compute" while the loader reads every layer
+        t0 = time.perf_counter()
+        for li in range(6):
+            loader.layer(li)
+        waited = time.perf_counter() - t0
+    assert waited < 0.05 and loader.io_seconds >= 6 * 3 * 0.01
