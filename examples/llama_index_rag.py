@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 from llama_index.core.query_engine import RetrieverQueryEngine
+
+from ragkv import models
 from ragkv.integrations.embeddings import MiniLMEmbedding
 from ragkv.integrations.hf import BlendedGenerator
 from ragkv.integrations.llama_index import (
@@ -23,8 +25,6 @@ from ragkv.integrations.llama_index import (
     RagKVSynthesizer,
     nodes_from_documents,
 )
-
-from ragkv import models
 from ragkv.precompute import precompute
 from ragkv.store import open_store
 

@@ -14,11 +14,11 @@ import tempfile
 from pathlib import Path
 from threading import Thread
 
-from ragkv.integrations.hf import BlendedGenerator
 from transformers import TextIteratorStreamer
 
 from ragkv import models
 from ragkv.chunking import chunk_document
+from ragkv.integrations.hf import BlendedGenerator
 from ragkv.store import open_store
 
 DOCS = Path(__file__).parent / "data" / "docs"

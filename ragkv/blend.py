@@ -304,6 +304,7 @@ class BlendEngine:
         body = self.model.model
         hidden = body.embed_tokens(input_ids[:, active])
         selected = None
+        mask = None  # rebuilt when the active set changes
         from_store = [s.key for s in segments if s.layers is None]
         loader = make_loader(cfg.pipelined, self.store, from_store, range(first_load, a.num_layers))
         with loader:  # closes the loader thread on every exit
@@ -322,7 +323,8 @@ class BlendEngine:
                     cache.score_rows = torch.nonzero(active < P + C).flatten()
                 pos = active[None]
                 cos_sin = body.rotary_emb(hidden, pos)
-                mask = _causal_mask_by_position(active, total, dtype)
+                if mask is None:
+                    mask = _causal_mask_by_position(active, total, dtype)
                 hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                                position_embeddings=cos_sin)
                 if li in ratios:
@@ -330,7 +332,7 @@ class BlendEngine:
                     top = ops.select_topk(cache.scores, keep_n)
                     keep_rows = torch.cat([cache.score_rows[top], torch.nonzero(active >= P + C).flatten()])
                     keep_rows = keep_rows.sort().values
-                    active, hidden = active[keep_rows], hidden[:, keep_rows]
+                    active, hidden, mask = active[keep_rows], hidden[:, keep_rows], None
                     selected = active[active < P + C]
                     cache.signal, cache.scores = None, None
                 stats.t_compute += time.perf_counter() - tc

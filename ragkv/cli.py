@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -155,6 +156,61 @@ def evict(store_uri, max_bytes):
             tier.max_bytes = limit
             n = tier.evict()
             click.echo(f"{tier.uri}: evicted {n} entries", err=True)
+
+
+@main.command("eval")
+@click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL: one {question, contexts: [chunk, ...], answer?} per line.")
+@click.option("--model", default="smollm2-135m", show_default=True, help="Model name or local HF directory.")
+@click.option("--store", "store_uris", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
+@click.option("--ratios", default="0,0.15,0.3,1", show_default=True, help="Comma-separated recompute ratios.")
+@click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True)
+@click.option("--check-layers", default="1", show_default=True, help="Comma-separated check layers.")
+@click.option("--sink", type=click.Choice(["template", "bos", "none"]), default="template", show_default=True,
+              help="Precompute policy: what each chunk is prefilled behind.")
+@click.option("--tokens", "n_tokens", default=32, show_default=True, help="Answer tokens scored for fidelity.")
+@click.option("--repeats", default=1, show_default=True, help="Timed runs per method and question (median).")
+@click.option("--namespace", default="", help="Cache namespace (salt).")
+@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="Also write the report here.")
+def eval_cmd(questions_path, model, store_uris, ratios, signal, check_layers, sink, n_tokens, repeats,
+             namespace, json_out):
+    """Measure how faithful blending is to full prefill on your own questions."""
+    from ragkv import models
+    from ragkv.blend import BlendConfig, BlendEngine
+    from ragkv.evaluate import evaluate, format_table, load_questions
+    from ragkv.policy import PrecomputePolicy
+
+    try:
+        ratio_list = [float(r) for r in ratios.split(",") if r.strip()]
+        layers = tuple(int(x) for x in check_layers.split(",") if x.strip())
+    except ValueError as e:
+        raise click.BadParameter(f"--ratios/--check-layers: {e}") from None
+    if not ratio_list or any(not 0 <= r <= 1 for r in ratio_list):
+        raise click.BadParameter("--ratios must be numbers in [0, 1]")
+    try:
+        qs = load_questions(questions_path)
+        config = BlendConfig(signal=signal, check_layers=layers)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        m, tok = models.load(model)
+    except models.ModelNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    store = _open_store(store_uris)
+    engine = BlendEngine(m, tok, store, config=config, policy=PrecomputePolicy(sink), namespace=namespace)
+
+    def progress(i, n):
+        click.echo(f"  question {i}/{n}", err=True)
+
+    try:
+        report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, repeats=repeats, progress=progress)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    report["model"], report["store"] = model, store.uri
+    click.echo(format_table(report))
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
+        click.echo(f"report written to {json_out}", err=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from ragkv.blend import BlendEngine, BlendResult
 
@@ -139,12 +140,15 @@ def evaluate(
         engine.adapter.check_length(ids.shape[1] + max_new_tokens)
         times = []
         with torch.inference_mode():
-            for _ in range(repeats):
+            for _ in range(repeats):  # HF's own prefill, building its cache as generate would
                 t0 = time.perf_counter()
-                full_logits = model(ids).logits[0, -1].float()
+                cache = DynamicCache(config=model.config)
+                full_logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
                 times.append(time.perf_counter() - t0)
-            full_out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(n_tokens, max_new_tokens),
-                                      do_sample=False, temperature=None, top_p=None, top_k=None,
+            cache.crop(-1)  # generate recomputes the last prompt token
+            full_out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                      max_new_tokens=max(n_tokens, max_new_tokens), do_sample=False,
+                                      temperature=None, top_p=None, top_k=None,
                                       pad_token_id=engine._pad_id())[0, ids.shape[1]:]
         target = full_out[:n_tokens]
         m = methods["full"]

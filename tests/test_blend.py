@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from ragkv.kernels import dispatch as ops
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -14,6 +13,7 @@ from ragkv import blend as blend_mod
 from ragkv import models
 from ragkv.adapter import ModelAdapter, UnsupportedModelError
 from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.kernels import dispatch as ops
 from ragkv.policy import prefill_kv
 from ragkv.prompt import Prompt, PromptTemplate
 from ragkv.store.memory import MemoryStore

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+
 from ragkv.integrations.llama_index import node_text
 
 
@@ -21,6 +22,7 @@ def test_node_without_text_is_refused():
 @pytest.mark.slow
 def test_postprocessor_attaches_keys_and_keeps_text(make_gen):
     from conftest import CONTEXTS
+
     from ragkv.integrations.llama_index import KEY_FIELD, RagKVNodePostprocessor
 
     gen = make_gen()
@@ -49,6 +51,7 @@ def test_postprocessor_attaches_keys_and_keeps_text(make_gen):
 def test_query_engines_answer_from_cached_chunks(make_gen, docs):
     from llama_index.core import VectorStoreIndex
     from llama_index.core.query_engine import RetrieverQueryEngine
+
     from ragkv.integrations.embeddings import MiniLMEmbedding
     from ragkv.integrations.llama_index import (
         FaissRetriever,
@@ -85,6 +88,7 @@ def test_query_engines_answer_from_cached_chunks(make_gen, docs):
 @pytest.mark.slow
 def test_streaming_synthesizer(make_gen):
     from conftest import CONTEXTS
+
     from ragkv.integrations.llama_index import RagKVSynthesizer
 
     gen = make_gen()

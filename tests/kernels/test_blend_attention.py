@@ -5,8 +5,9 @@ import types
 import pytest
 import torch
 from kernel_testing import DEVICE, TOL, assert_verbose_allclose, requires_triton
-from ragkv.kernels.blend_attention import blend_attention_torch, blend_attention_triton
 from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from ragkv.kernels.blend_attention import blend_attention_torch, blend_attention_triton
 
 
 def _inputs(kv_heads, group, n, T, D, dtype, shuffled_k_pos=False, seed=0):

@@ -6,9 +6,10 @@ import sys
 import textwrap
 
 import pytest
-import ragkv.kernels as K
 import torch
 from kernel_testing import DEVICE, TOL, assert_verbose_allclose, requires_triton
+
+import ragkv.kernels as K
 from ragkv.kernels import dispatch
 
 

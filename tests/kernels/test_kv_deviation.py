@@ -3,6 +3,7 @@
 import pytest
 import torch
 from kernel_testing import DEVICE, assert_verbose_allclose, requires_triton
+
 from ragkv.kernels.kv_deviation import kv_deviation_torch, kv_deviation_triton, select_topk
 
 

@@ -3,9 +3,10 @@
 import pytest
 import torch
 from kernel_testing import DEVICE, TOL, assert_verbose_allclose, requires_triton
-from ragkv.kernels.rope_shift import rope_shift_torch, rope_shift_triton
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from ragkv.kernels.rope_shift import rope_shift_torch, rope_shift_triton
 
 ROPE_PARAMETERS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from kernel_testing import DEVICE, requires_triton
+
 from ragkv.kernels.scatter_rows import scatter_rows_torch, scatter_rows_triton
 
 
