@@ -8,6 +8,7 @@ from _common import bench_ms, parse_args, record
 def main() -> None:
     args = parse_args(__doc__)
     import torch
+
     from ragkv.kernels.blend_attention import blend_attention_torch, blend_attention_triton
 
     impls = {"triton": blend_attention_triton, "torch": blend_attention_torch}

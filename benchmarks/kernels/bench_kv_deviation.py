@@ -8,6 +8,7 @@ from _common import bench_ms, parse_args, record
 def main() -> None:
     args = parse_args(__doc__)
     import torch
+
     from ragkv.kernels.kv_deviation import kv_deviation_torch, kv_deviation_triton
 
     impls = {"triton": kv_deviation_triton, "torch": kv_deviation_torch}

@@ -8,6 +8,7 @@ from _common import bench_ms, parse_args, record
 def main() -> None:
     args = parse_args(__doc__)
     import torch
+
     from ragkv.kernels.rope_shift import rope_shift_torch, rope_shift_triton
 
     impls = {"triton": rope_shift_triton, "torch": rope_shift_torch}

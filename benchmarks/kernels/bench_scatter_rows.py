@@ -8,6 +8,7 @@ from _common import bench_ms, parse_args, record
 def main() -> None:
     args = parse_args(__doc__)
     import torch
+
     from ragkv.kernels.scatter_rows import scatter_rows_torch, scatter_rows_triton
 
     impls = {"triton": scatter_rows_triton, "torch": scatter_rows_torch}
