@@ -42,6 +42,7 @@ from ragkv.store.entry import EntryMeta, StoredLayer
 from ragkv.store.errors import StoreError
 
 SIGNALS = ("k", "v", "kv")
+_IS_CAUSAL_IMPLS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,15 @@ class BlendEngine:
 
         cache = _FusedCache(a.num_layers)
         cache.normalize = cfg.normalize
-        active = positions[P:] if not naive else positions[P + C :]
+        # Up to the last check layer every chunk token is computed. With an attention implementation
+        # that takes is_causal (sdpa, flash), the prefix is recomputed too (its K/V are exact anyway, a
+        # few % of the tokens) so the layer runs as a plain causal prefill on the fast kernel instead of
+        # a T x T explicit mask; otherwise the prefix stays cached and the mask is explicit.
+        full_causal = not naive and getattr(self.model.config, "_attn_implementation", "") in _IS_CAUSAL_IMPLS
+        if naive:
+            active = positions[P + C :]
+        else:
+            active = positions if full_causal else positions[P:]
         body = self.model.model
         hidden = body.embed_tokens(input_ids[:, active])
         selected = None
@@ -314,16 +323,17 @@ class BlendEngine:
                     tw = time.perf_counter()
                     loaded = dict(zip(loader.keys, loader.layer(li)))
                     stats.t_load += time.perf_counter() - tw
-                self._fuse_layer(cache, li, segments, total, load_chunks=li >= first_load, stats=stats,
-                                 loaded=loaded)
+                whole = full_causal and active.numel() == total
+                self._fuse_layer(cache, li, segments, total, load_chunks=li >= first_load,
+                                 load_prefix=not whole, stats=stats, loaded=loaded)
                 tc = time.perf_counter()
                 cache.active = active
                 if li in ratios:
                     cache.signal = cfg.signal
-                    cache.score_rows = torch.nonzero(active < P + C).flatten()
+                    cache.score_rows = torch.nonzero((active >= P) & (active < P + C)).flatten()
                 pos = active[None]
                 cos_sin = body.rotary_emb(hidden, pos)
-                if mask is None:
+                if mask is None and not whole:
                     mask = _causal_mask_by_position(active, total, dtype)
                 hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                                position_embeddings=cos_sin)
@@ -331,9 +341,10 @@ class BlendEngine:
                     keep_n = min(cache.score_rows.numel(), math.ceil(ratios[li] * C - 1e-9))
                     top = ops.select_topk(cache.scores, keep_n)
                     keep_rows = torch.cat([cache.score_rows[top], torch.nonzero(active >= P + C).flatten()])
+                    # (prefix rows, active only in whole-prompt layers, drop out here)
                     keep_rows = keep_rows.sort().values
                     active, hidden, mask = active[keep_rows], hidden[:, keep_rows], None
-                    selected = active[active < P + C]
+                    selected = active[(active >= P) & (active < P + C)]
                     cache.signal, cache.scores = None, None
                 stats.t_compute += time.perf_counter() - tc
         stats.t_load_io = loader.io_seconds
@@ -368,13 +379,13 @@ class BlendEngine:
         return stored
 
     def _fuse_layer(self, cache: _FusedCache, li: int, segments, total: int, load_chunks: bool,
-                    stats: BlendStats, loaded: dict | None = None) -> None:
+                    load_prefix: bool, stats: BlendStats, loaded: dict | None = None) -> None:
         a = self.adapter
         shape = (1, a.num_kv_heads, total, a.head_dim)
         k_all = torch.empty(shape, dtype=a.dtype, device=a.device)
         v_all = torch.empty(shape, dtype=a.dtype, device=a.device)
         for seg in segments:
-            if seg.chunk and not load_chunks:
+            if not (load_chunks if seg.chunk else load_prefix):
                 continue
             tl = time.perf_counter()
             item = self._segment_layer(seg, li, stats, loaded)

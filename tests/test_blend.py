@@ -73,6 +73,23 @@ def test_ratio_one_equals_full_prefill(kind):
     torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_ratio_one_equals_full_prefill_under_each_attention_implementation(attn):
+    model = models.tiny_model("llama", attn_implementation=attn)
+    prompt = make_prompt(seed=2)
+    eng = engine(model)
+    eng.prefill_prompt(prompt)
+    for ratio in (1.0, 0.5):
+        res = eng.prefill_prompt(prompt, ratio=ratio)
+        if ratio == 1.0:
+            torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
+    with torch.no_grad():  # both implementations blend to the same result
+        other = models.tiny_model("llama", attn_implementation="sdpa" if attn == "eager" else "eager")
+    res_other = engine(other).prefill_prompt(prompt, ratio=0.5)
+    ref = eng.prefill_prompt(prompt, ratio=0.5)
+    torch.testing.assert_close(res_other.logits, ref.logits, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_ratio_one_greedy_generation_equals_plain_generate(kind):
     model = models.tiny_model(kind)
@@ -205,12 +222,14 @@ def test_suffix_is_active_in_every_layer_and_selection_has_the_ratio(monkeypatch
 
     monkeypatch.setattr(blend_mod._FusedCache, "update", spy)
     res = eng.prefill_prompt(prompt, ratio=0.2)
-    T, S, C = prompt.num_tokens, len(prompt.suffix_ids), 100
+    T, S, C, P = prompt.num_tokens, len(prompt.suffix_ids), 100, len(prompt.prefix_ids)
     suffix = set(range(T - S, T))
     counts = {}
     for li, active in seen:
         assert suffix <= set(active.tolist()), f"layer {li} skipped suffix tokens"
-        counts[li] = active.numel() - S
+        counts[li] = int(((active >= P) & (active < P + C)).sum())
+        if li > 2:  # the exact prefix is never recomputed after the check layers
+            assert int((active < P).sum()) == 0
     # layers 0..2 compute every chunk token; gradual filtering keeps 60% after layer 1, 20% after layer 2
     assert counts[0] == counts[1] == C and counts[2] == math.ceil(0.6 * C) and counts[3] == math.ceil(0.2 * C)
     assert res.stats.recomputed_tokens == math.ceil(0.2 * C)

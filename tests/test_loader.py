@@ -4,14 +4,12 @@ prefetch stays within its byte bound, and the loader thread never outlives a req
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import threading
 import time
 
 import pytest
 import torch
+from redis_server import start_or_skip
 
 from ragkv import models
 from ragkv.blend import BlendConfig, BlendEngine
@@ -127,39 +125,11 @@ def test_corrupt_disk_layer_midway_is_recomputed(tmp_path):
     assert not loader_threads()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def redis_proc():
-    exe = shutil.which("redis-server")
-    if exe is None:
-        if IN_CI:
-            pytest.fail("CI is set but redis-server is not installed")
-        pytest.skip("redis-server not installed")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"redis-server did not answer on port {port}")
-        time.sleep(0.05)
-    yield proc, f"redis://127.0.0.1:{port}/0"
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=10)
+    srv = start_or_skip()
+    yield srv.proc, srv.url
+    srv.stop()
 
 
 class KillOnFirstRead:

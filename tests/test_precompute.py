@@ -4,7 +4,6 @@ example documents (~1.2k tokens)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from redis_server import start_or_skip
 
 from ragkv.blend import BlendEngine
 from ragkv.chunking import chunk_document
@@ -26,7 +26,6 @@ from ragkv.store import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted((REPO / "examples" / "data" / "docs").glob("*.md"))
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 JSONL = (
     '{"text": "Tea is brewed from the leaves of Camellia sinensis."}\n'
     "not json\n"
@@ -186,15 +185,7 @@ def _redis_url() -> str:
                 return "redis://127.0.0.1:6379/9"
     except OSError:
         pass
-    spec = importlib.util.spec_from_file_location("_store_conftest", REPO / "tests" / "store" / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    try:
-        srv = mod.RedisServer().start()
-    except (FileNotFoundError, RuntimeError) as e:
-        if IN_CI:
-            pytest.fail(f"CI is set but no redis answers: {e}")
-        pytest.skip(f"no redis: {e}")
+    srv = start_or_skip()
     _SERVERS.append(srv)
     return srv.url
 

@@ -7,7 +7,7 @@ from threading import Thread
 
 import pytest
 import torch
-from conftest import CONTEXTS, QUESTION
+from integration_data import CONTEXTS, QUESTION
 
 pytestmark = pytest.mark.slow
 NEW = 4

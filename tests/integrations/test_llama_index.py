@@ -21,7 +21,7 @@ def test_node_without_text_is_refused():
 
 @pytest.mark.slow
 def test_postprocessor_attaches_keys_and_keeps_text(make_gen):
-    from conftest import CONTEXTS
+    from integration_data import CONTEXTS
 
     from ragkv.integrations.llama_index import KEY_FIELD, RagKVNodePostprocessor
 
@@ -87,7 +87,7 @@ def test_query_engines_answer_from_cached_chunks(make_gen, docs):
 
 @pytest.mark.slow
 def test_streaming_synthesizer(make_gen):
-    from conftest import CONTEXTS
+    from integration_data import CONTEXTS
 
     from ragkv.integrations.llama_index import RagKVSynthesizer
 

@@ -3,73 +3,15 @@ the binary they skip locally and FAIL when CI is set (they must never vanish sil
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 
 import pytest
-
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    def __init__(self, port: int | None = None):
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise FileNotFoundError("redis-server not on PATH")
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
-def _redis_or_skip() -> RedisServer:
-    try:
-        return RedisServer().start()
-    except (FileNotFoundError, RuntimeError) as e:
-        if IN_CI:
-            pytest.fail(f"CI is set but no redis-server could be started: {e}")
-        pytest.skip(f"no redis-server: {e}")
+from redis_server import start_or_skip
 
 
 @pytest.fixture(scope="session")
 def redis_server():
-    srv = _redis_or_skip()
+    srv = start_or_skip()
     yield srv
     srv.stop()
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from conftest import RedisServer
+from redis_server import RedisServer
 from store_testlib import make_entry
 
 from ragkv.store import open_store
