@@ -61,6 +61,7 @@ class BlendConfig:
     storage_dtype: str | None = None  # for chunks computed on a miss and written back; None = model dtype
     quant_axis: str | None = None
     pipelined: bool = True  # read layer i+1 from the store while layer i computes (ragkv.loader)
+    weight: str = "none"  # "suffix_attn": scale each token's deviation by the question's attention to it
 
     def __post_init__(self):
         if not 0.0 <= self.ratio <= 1.0:
@@ -255,7 +256,18 @@ class BlendEngine:
 
     @torch.inference_mode()
     def prefill_prompt(self, prompt: Prompt, ratio: float | None = None) -> BlendResult:
+        """Blend one prompt. Its entries are pinned in the store for the whole request, so eviction
+        never removes K/V a request is reading."""
         t0 = time.perf_counter()
+        segments: list[_Segment] = []
+        if prompt.prefix_ids:
+            segments.append(_Segment(self.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, chunk=False))
+        for ids, start in zip(prompt.chunk_ids, prompt.chunk_starts()):
+            segments.append(_Segment(self.chunk_key(ids), ids, start))
+        with self.store.pin([s.key for s in segments]):
+            return self._prefill(prompt, segments, ratio, t0)
+
+    def _prefill(self, prompt: Prompt, segments: list[_Segment], ratio: float | None, t0: float) -> BlendResult:
         cfg = self.config
         ratio = cfg.ratio if ratio is None else ratio
         if not 0.0 <= ratio <= 1.0:
@@ -268,11 +280,6 @@ class BlendEngine:
         stats = BlendStats(chunks=len(prompt.chunk_ids), prompt_tokens=total)
 
         # 1. look up every segment; compute what is missing and write it back
-        segments: list[_Segment] = []
-        if prompt.prefix_ids:
-            segments.append(_Segment(self.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, chunk=False))
-        for ids, start in zip(prompt.chunk_ids, prompt.chunk_starts()):
-            segments.append(_Segment(self.chunk_key(ids), ids, start))
         missing = []
         for seg in segments:
             meta = self.store.get_meta(seg.key)
@@ -335,8 +342,20 @@ class BlendEngine:
                 cos_sin = body.rotary_emb(hidden, pos)
                 if mask is None and not whole:
                     mask = _causal_mask_by_position(active, total, dtype)
-                hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                               position_embeddings=cos_sin)
+                hook = None
+                if li in ratios and cfg.weight == "suffix_attn":
+                    captured = {}
+                    hook = layer.self_attn.q_proj.register_forward_hook(lambda m, i, o, c=captured: c.update(q=o))
+                try:
+                    hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                                   position_embeddings=cos_sin)
+                finally:
+                    if hook is not None:
+                        hook.remove()
+                if hook is not None:
+                    cache.scores = cache.scores * self._suffix_attention(
+                        layer.self_attn, captured["q"], cos_sin, active, cache.keys[li][0], P + C,
+                        active[cache.score_rows])
                 if li in ratios:
                     keep_n = min(cache.score_rows.numel(), math.ceil(ratios[li] * C - 1e-9))
                     top = ops.select_topk(cache.scores, keep_n)
@@ -355,6 +374,24 @@ class BlendEngine:
         stats.recomputed_tokens = 0 if selected is None else int(selected.numel())
         stats.t_total = time.perf_counter() - t0
         return BlendResult(input_ids, logits, handoff, stats, selected)
+
+    def _suffix_attention(self, attn, q, cos_sin, active, keys, suffix_start, rows_pos):
+        """Mean attention weight (over suffix queries and heads) of the keys at ``rows_pos``."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        a = self.adapter
+        sel = active >= suffix_start
+        q = q[0, sel].view(-1, a.num_heads, a.head_dim).transpose(0, 1)[None]  # [1, Hq, S, D]
+        cos, sin = cos_sin[0][:, sel], cos_sin[1][:, sel]
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        g = a.num_heads // a.num_kv_heads
+        k = keys.repeat_interleave(g, 0)[None]  # [1, Hq, T, D]
+        scores = (q @ k.transpose(-1, -2)).float() * a.head_dim**-0.5
+        qpos = active[sel]
+        allowed = torch.arange(keys.shape[1], device=q.device)[None, :] <= qpos[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = scores.softmax(-1).mean(dim=(0, 1, 2))  # [T]
+        return probs[rows_pos]
 
     def _meta_matches(self, meta: EntryMeta, seg: _Segment) -> bool:
         a = self.adapter

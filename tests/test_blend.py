@@ -328,3 +328,22 @@ def test_smollm2_answers_from_stored_chunks(smollm2, tmp_path):
     answer, res, _ = eng2.generate("Who designed the Harwick Point Lighthouse?", contexts, max_new_tokens=24)
     assert res.stats.hits == 2 and res.stats.misses == 0
     assert "Tolland" in answer, answer
+
+
+def test_entries_are_pinned_while_a_request_reads_them():
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=19)
+    store = MemoryStore()
+    eng = BlendEngine(model, None, store, template=TEMPLATE, config=BlendConfig(pipelined=False))
+    eng.prefill_prompt(prompt)
+    seen = []
+    orig = store.get_layer
+
+    def spy(key, i):
+        seen.append(store.is_pinned(key))
+        return orig(key, i)
+
+    store.get_layer = spy
+    eng.prefill_prompt(prompt, ratio=0.3)
+    assert seen and all(seen)
+    assert not any(store.is_pinned(eng.chunk_key(ids)) for ids in prompt.chunk_ids)

@@ -3,14 +3,17 @@
 - ``put``: encodes once and writes the same bytes to every tier. A tier whose write fails
   (StoreFull, Redis down) is logged and counted in ``tier_write_errors``; the others still get it.
 - ``get``: asks tier by tier; a hit in a lower tier is promoted (the whole verified entry is copied
-  into every tier above) before it is decoded. ``get_meta``/``get_layer`` read tier by tier but
-  promote nothing (layer-streamed readers call ``get`` or ``promote`` when they want that).
+  into every tier above) before it is decoded. ``get_meta`` (the read path's lookup) that hits a
+  lower tier schedules the same promotion on a background thread, so the request streams its layers
+  from where they are now and the next request finds the entry in the fastest tier.
+  ``wait_promotions()`` waits for scheduled promotions (tests, shutdown).
 - ``pin`` pins in every tier; ``stats()`` = ``{"tiers": [...], totals...}``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
 from torch import Tensor
@@ -21,11 +24,14 @@ from ragkv.store.errors import StoreError
 
 
 class TieredStore(KVStore):
-    def __init__(self, tiers: Sequence[KVStore]):
+    def __init__(self, tiers: Sequence[KVStore], promote_on_lookup: bool = True):
         super().__init__()
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
+        self.promote_on_lookup = promote_on_lookup
+        self._promoter: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}
 
     @property
     def uri(self) -> str:
@@ -83,10 +89,12 @@ class TieredStore(KVStore):
         return wrote
 
     def get_meta(self, key: str) -> EntryMeta | None:
-        for t in self.tiers:
+        for j, t in enumerate(self.tiers):
             m = t.get_meta(key)
             if m is not None:
                 self._count("hits")
+                if j > 0 and self.promote_on_lookup:
+                    self._schedule_promotion(key)
                 return m
         self._count("misses")
         return None
@@ -127,6 +135,20 @@ class TieredStore(KVStore):
             return None
         meta, stored = r
         return ChunkKV(meta, [s.dequantize(meta.model_dtype) for s in stored])
+
+    def _schedule_promotion(self, key: str) -> None:
+        with self._lock:
+            if key in self._pending:
+                return
+            if self._promoter is None:
+                self._promoter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-promote")
+            fut = self._promoter.submit(self.promote, key)
+            self._pending[key] = fut
+        fut.add_done_callback(lambda _f: self._pending.pop(key, None))
+
+    def wait_promotions(self) -> None:
+        for fut in list(self._pending.values()):
+            fut.result()
 
     def promote(self, key: str) -> bool:
         """Copy an entry found in a lower tier into the tiers above it."""
@@ -170,5 +192,8 @@ class TieredStore(KVStore):
         return out
 
     def close(self) -> None:
+        if self._promoter is not None:
+            self._promoter.shutdown(wait=True)
+            self._promoter = None
         for t in self.tiers:
             t.close()

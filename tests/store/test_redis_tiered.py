@@ -100,11 +100,11 @@ def test_tiered_survives_redis_death_warns_once_and_reconnects(tmp_path, caplog)
 def test_tiered_promotes_hits_upward_and_pins_everywhere(tmp_path, redis_server, redis_ns):
     mem = MemoryStore()
     store = open_store(f"disk://{tmp_path / 'kv'}?fsync=0,{redis_server.url}?namespace={redis_ns}")
-    tiered = TieredStore([mem, *store.tiers])
+    tiered = TieredStore([mem, *store.tiers], promote_on_lookup=False)
     meta, layers = make_entry()
     tiered.tiers[2].put(meta, layers)  # only in redis
     assert not mem.contains(meta.key)
-    assert tiered.get_meta(meta.key) == meta and not mem.contains(meta.key)  # header: no promotion
+    assert tiered.get_meta(meta.key) == meta and not mem.contains(meta.key)  # lookup promotion off
     got = tiered.get(meta.key)
     assert torch.equal(got.layers[0][0], layers[0][0])
     assert mem.contains(meta.key) and tiered.tiers[1].contains(meta.key)
@@ -113,6 +113,21 @@ def test_tiered_promotes_hits_upward_and_pins_everywhere(tmp_path, redis_server,
     st = tiered.stats()
     assert len(st["tiers"]) == 3 and st["promotions"] == 2 and st["hits"] >= 2
     tiered.tiers[2].clear()
+
+
+def test_lookup_of_a_lower_tier_hit_promotes_in_the_background(tmp_path, redis_server, redis_ns):
+    redis_tier = open_store(f"{redis_server.url}?namespace={redis_ns}")
+    mem, disk = MemoryStore(), open_store(f"disk://{tmp_path / 'kv'}?fsync=0")
+    tiered = TieredStore([mem, disk, redis_tier])
+    meta, layers = make_entry()
+    redis_tier.put(meta, layers)
+    assert tiered.get_meta(meta.key) == meta  # what the read path does first
+    tiered.wait_promotions()
+    assert mem.contains(meta.key) and disk.contains(meta.key)
+    layer = mem.get_layer(meta.key, 1)
+    assert torch.equal(layer.k, layers[1][0]) and torch.equal(layer.v, layers[1][1])
+    tiered.close()
+    redis_tier.close()
 
 
 @pytest.mark.parametrize(
