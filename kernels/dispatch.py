@@ -82,8 +82,16 @@ def resolve_backend(op: str, device: torch.device) -> str:
     return "triton"
 
 
+# the torch backend's function when it is not the reference itself: blend_attention's reference
+# materializes scores; on CPU the engine wants the blocked SDPA path (checked against the reference)
+_TORCH_PATH = {"blend_attention": "blend_attention_sdpa"}
+
+
 def _impl(op: str, device: torch.device):
-    return getattr(_module(op), f"{op}_{resolve_backend(op, device)}")
+    backend = resolve_backend(op, device)
+    if backend == "torch" and op in _TORCH_PATH:
+        return getattr(_module(op), _TORCH_PATH[op])
+    return getattr(_module(op), f"{op}_{backend}")
 
 
 def rope_shift(

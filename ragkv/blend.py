@@ -160,6 +160,37 @@ class _FusedCache:
         return 0 if k is None else k.shape[-2]
 
 
+def _position_attention(original):
+    """Wrap an HF attention function: a call carrying ``ragkv_q_pos`` (the absolute positions of the
+    query rows) runs ``ops.blend_attention``, causal by those positions over the whole fused K/V
+    (Triton on CUDA, blocked SDPA on CPU: masked-out key blocks are skipped); any other call goes to
+    the original function unchanged."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        q_pos = kwargs.pop("ragkv_q_pos", None)
+        if q_pos is None:
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        out = ops.blend_attention(query[0], key[0], value[0], q_pos, sm_scale=scaling)  # [Hq, n, D]
+        return out.transpose(0, 1).unsqueeze(0), None  # [1, n, Hq, D], as HF's attention functions
+
+    attention._ragkv_original = original
+    return attention
+
+
+def _install_position_attention(impl: str) -> bool:
+    """Route position-carrying calls of attention implementation ``impl`` through
+    ``_position_attention`` (idempotent; other calls are untouched). Eager attention is left alone:
+    every model file has its own eager function, so the engine gives eager models an explicit mask."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
+        return False
+    current = ALL_ATTENTION_FUNCTIONS[impl]
+    if getattr(current, "_ragkv_original", None) is None:
+        ALL_ATTENTION_FUNCTIONS[impl] = _position_attention(current)
+    return True
+
+
 def _causal_mask_by_position(q_pos: torch.Tensor, total: int, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, n, total] additive mask: query at position q_pos[i] sees keys at positions <= q_pos[i]."""
     k_pos = torch.arange(total, device=q_pos.device)
@@ -312,7 +343,9 @@ class BlendEngine:
         # that takes is_causal (sdpa, flash), the prefix is recomputed too (its K/V are exact anyway, a
         # few % of the tokens) so the layer runs as a plain causal prefill on the fast kernel instead of
         # a T x T explicit mask; otherwise the prefix stays cached and the mask is explicit.
-        full_causal = not naive and getattr(self.model.config, "_attn_implementation", "") in _IS_CAUSAL_IMPLS
+        impl = getattr(self.model.config, "_attn_implementation", "") or "eager"
+        full_causal = not naive and impl in _IS_CAUSAL_IMPLS
+        by_position = _install_position_attention(impl)  # else: explicit 4-D masks
         if naive:
             active = positions[P + C :]
         else:
@@ -340,15 +373,20 @@ class BlendEngine:
                     cache.score_rows = torch.nonzero((active >= P) & (active < P + C)).flatten()
                 pos = active[None]
                 cos_sin = body.rotary_emb(hidden, pos)
-                if mask is None and not whole:
+                extra = {}
+                if whole:
+                    pass  # a plain causal prefill of the whole prompt
+                elif by_position:
+                    extra["ragkv_q_pos"] = active
+                elif mask is None:
                     mask = _causal_mask_by_position(active, total, dtype)
                 hook = None
                 if li in ratios and cfg.weight == "suffix_attn":
                     captured = {}
                     hook = layer.self_attn.q_proj.register_forward_hook(lambda m, i, o, c=captured: c.update(q=o))
                 try:
-                    hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                                   position_embeddings=cos_sin)
+                    hidden = layer(hidden, attention_mask=None if whole else mask, position_ids=pos, cache=cache,
+                                   use_cache=True, position_embeddings=cos_sin, **extra)
                 finally:
                     if hook is not None:
                         hook.remove()

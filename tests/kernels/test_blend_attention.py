@@ -89,3 +89,16 @@ def test_triton_strided_q():
     q_nhd = q.transpose(0, 1).contiguous()
     got = blend_attention_triton(q_nhd.transpose(0, 1), k, v, q_pos)
     assert_verbose_allclose(got, blend_attention_torch(q, k, v, q_pos), *TOL[torch.float16])
+
+
+@pytest.mark.parametrize("n,T,group", [(1, 7, 1), (37, 333, 3), (200, 1500, 3), (64, 4099, 8)])
+def test_blocked_sdpa_path_matches_reference(n, T, group):
+    from ragkv.kernels.blend_attention import blend_attention_sdpa
+
+    g = torch.Generator().manual_seed(n + T)
+    Hkv, D = 2, 64
+    q = torch.randn(Hkv * group, n, D, generator=g)
+    k, v = torch.randn(Hkv, T, D, generator=g), torch.randn(Hkv, T, D, generator=g)
+    q_pos = torch.randperm(T, generator=g)[:n]  # scattered, unsorted
+    got = blend_attention_sdpa(q, k, v, q_pos, sm_scale=0.11, blocks=5)
+    assert_verbose_allclose(got, blend_attention_torch(q, k, v, q_pos, sm_scale=0.11), atol=2e-5, rtol=2e-5)
