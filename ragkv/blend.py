@@ -229,6 +229,7 @@ class BlendEngine:
         self.fingerprint = fingerprint(model, tokenizer).digest()
         self.policy_id = self.policy.policy_id(self.template)
         self.sink_ids = self.policy.sink_ids(self.template)
+        self.chunk_start = self.policy.chunk_start(self.template)  # stored start position of every chunk
         self.model_dtype = str(model.dtype).removeprefix("torch.")
 
     # ------------------------------------------------------------------ keys and write-back
@@ -249,18 +250,26 @@ class BlendEngine:
             fingerprint=self.fingerprint, policy=policy,
         )
 
+    def prefill_chunks(self, chunks: Sequence[Sequence[int]], batch_tokens: int = 4096):
+        """Per chunk, per layer (K, V) of each chunk prefilled on its own under the precompute policy
+        (stored start position: ``self.chunk_start``). The one place chunks are computed."""
+        return prefill_kv(self.model, self.sink_ids, chunks, batch_tokens, gap=self.policy.gap)
+
     def compute_and_store(self, segments: Sequence[_Segment]) -> None:
         """Prefill segments on their own under the policy and write them back to the store."""
         prefixes = [s for s in segments if not s.chunk]
         chunks = [s for s in segments if s.chunk]
-        for group, sink, policy in ((prefixes, [], PREFIX_POLICY), (chunks, self.sink_ids, self.policy_id)):
+        for group, policy in ((prefixes, PREFIX_POLICY), (chunks, self.policy_id)):
             if not group:
                 continue
-            kvs = prefill_kv(self.model, sink, [s.ids for s in group])
+            if group is prefixes:
+                kvs, start = prefill_kv(self.model, [], [s.ids for s in group]), 0
+            else:
+                kvs, start = self.prefill_chunks([s.ids for s in group]), self.chunk_start
             for seg, kv in zip(group, kvs):
-                seg.layers, seg.stored_start = kv, len(sink)
+                seg.layers, seg.stored_start = kv, start
                 try:
-                    self.store.put(self._meta(seg.key, seg.ids, len(sink), policy), kv)
+                    self.store.put(self._meta(seg.key, seg.ids, start, policy), kv)
                 except StoreError as e:  # a failed write-back (store down or full) must not fail the request
                     logging.getLogger("ragkv.blend").warning("write-back of %s failed: %s", seg.key, e)
 

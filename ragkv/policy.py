@@ -32,11 +32,17 @@ PREFIX_POLICY = f"prefix-v{POLICY_VERSION}"
 
 @dataclass(frozen=True)
 class PrecomputePolicy:
+    """``sink``: what each chunk is prefilled behind (its K/V are discarded). ``gap``: the chunk's first
+    position is ``len(sink) + gap`` (a chunk far from the sink, as most chunks are in a real prompt)."""
+
     sink: str = "template"
+    gap: int = 0
 
     def __post_init__(self):
         if self.sink not in SINKS:
             raise ValueError(f"unknown sink {self.sink!r}; valid: {', '.join(SINKS)}")
+        if self.gap < 0:
+            raise ValueError(f"gap must be >= 0, got {self.gap}")
 
     def sink_ids(self, template) -> list[int]:
         if self.sink == "none":
@@ -49,15 +55,19 @@ class PrecomputePolicy:
         digest = hashlib.blake2b(
             b",".join(str(t).encode() for t in self.sink_ids(template)), digest_size=8
         ).hexdigest()
-        return f"sink-{self.sink}-v{POLICY_VERSION}-{digest}"
+        gap = f"-gap{self.gap}" if self.gap else ""
+        return f"sink-{self.sink}{gap}-v{POLICY_VERSION}-{digest}"
+
+    def chunk_start(self, template) -> int:
+        return len(self.sink_ids(template)) + self.gap
 
 
 @torch.inference_mode()
 def prefill_kv(
-    model, sink_ids: Sequence[int], chunks: Sequence[Sequence[int]], batch_tokens: int = 4096
+    model, sink_ids: Sequence[int], chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, gap: int = 0
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Prefill every chunk behind ``sink_ids``; return per chunk, per layer (K, V), each
-    ``[kv_heads, len(chunk), head_dim]`` (keys rotated at positions len(sink) + i).
+    ``[kv_heads, len(chunk), head_dim]`` (keys rotated at positions len(sink) + gap + i).
 
     Chunks are batched (right-padded: with a causal mask, padding at the end never reaches a real
     token, so no attention mask is needed) up to ``batch_tokens`` padded tokens per forward.
@@ -79,7 +89,10 @@ def prefill_kv(
             seq = [*sink_ids, *chunks[ci]]
             ids[row, : len(seq)] = torch.tensor(seq)
         cache = DynamicCache(config=model.config)
-        model.model(input_ids=ids.to(adapter.device), cache=cache, use_cache=True)
+        pos = torch.arange(width, device=adapter.device)
+        pos[s:] += gap
+        model.model(input_ids=ids.to(adapter.device), position_ids=pos[None].expand(len(group), -1),
+                    cache=cache, use_cache=True)
         for row, ci in enumerate(group):
             n_tok = len(chunks[ci])
             out[ci] = [

@@ -29,7 +29,7 @@ from pathlib import Path
 from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.chunking import chunk_document
 from ragkv.keys import KEY_PREFIX
-from ragkv.policy import PrecomputePolicy, prefill_kv
+from ragkv.policy import PrecomputePolicy
 from ragkv.store.entry import encode
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -224,7 +224,7 @@ class _Writer:
 
     def _run(self) -> None:
         eng, s = self.engine, self.summary
-        start = len(eng.sink_ids)
+        start = eng.chunk_start
         while (item := self.q.get()) is not None:
             batch, kvs = item
             for c, kv in zip(batch, kvs):
@@ -336,7 +336,7 @@ def precompute(
     try:
         for batch in _batches(todo, len(engine.sink_ids), batch_tokens):
             try:
-                kvs = prefill_kv(model, engine.sink_ids, [c.ids for c in batch], batch_tokens)
+                kvs = engine.prefill_chunks([c.ids for c in batch], batch_tokens)
             except Exception as e:
                 with writer.lock:
                     summary.failed += len(batch)
