@@ -321,7 +321,7 @@ def test_smollm2_answers_from_stored_chunks(smollm2, tmp_path):
 
     model, tokenizer = smollm2
     docs = Path(__file__).parents[1] / "examples" / "data" / "docs"
-    contexts = [(docs / "orbit.md").read_text(), (docs / "lighthouse.md").read_text()]
+    contexts = [(docs / "sourdough.md").read_text(), (docs / "lighthouse.md").read_text()]
     store = open_store(f"disk://{tmp_path}/store")
     eng = BlendEngine(model, tokenizer, store)
     keys, computed = eng.ensure(contexts)
