@@ -195,7 +195,7 @@ class DiskStore(KVStore):
                 blobs = []
                 for i in layers or ():
                     ll = layout.layers[i]
-                    b = bytearray(ll.nbytes)
+                    b = memoryview(np.empty(ll.nbytes, dtype=np.uint8))  # every byte is read into
                     _read_exact(fd, b, layout.data_offset + ll.offset)
                     blobs.append(b)
         finally:
