@@ -163,7 +163,7 @@ class RagKVLLM(CustomLLM):
         if not kw["do_sample"]:
             kw.update(temperature=None, top_p=None, top_k=None)
         return {"input_ids": ids, "attention_mask": ids.new_ones(ids.shape),
-                "pad_token_id": self._generator.engine._pad_id()}, kw
+                "pad_token_id": self._generator.engine.pad_token_id}, kw
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:

@@ -527,10 +527,12 @@ class BlendEngine:
                 generate_kwargs.update(temperature=None, top_p=None, top_k=None)
         ids = res.input_ids
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=res.cache,
-                                  pad_token_id=self._pad_id(), **generate_kwargs)
+                                  pad_token_id=self.pad_token_id, **generate_kwargs)
         return out[0, ids.shape[1]:]
 
-    def _pad_id(self):
+    @property
+    def pad_token_id(self) -> int | None:
+        """The pad id generate should use: the tokenizer's, else the (first) EOS id."""
         tok = self.tokenizer
         pad = getattr(tok, "pad_token_id", None) if tok is not None else None
         if pad is None:

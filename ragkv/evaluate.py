@@ -149,7 +149,7 @@ def evaluate(
             full_out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
                                       max_new_tokens=max(n_tokens, max_new_tokens), do_sample=False,
                                       temperature=None, top_p=None, top_k=None,
-                                      pad_token_id=engine._pad_id())[0, ids.shape[1]:]
+                                      pad_token_id=engine.pad_token_id)[0, ids.shape[1]:]
         target = full_out[:n_tokens]
         m = methods["full"]
         m.ttft_s.append(statistics.median(times))

@@ -20,7 +20,7 @@ def test_ratio_one_equals_plain_generate(make_gen, smollm2):
     ids = torch.tensor([gen.engine.build_prompt(QUESTION, CONTEXTS).input_ids])
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                             temperature=None, top_p=None, top_k=None, pad_token_id=gen.engine._pad_id())
+                             temperature=None, top_p=None, top_k=None, pad_token_id=gen.engine.pad_token_id)
     assert out.token_ids == ref[0, ids.shape[1]:].tolist()
     assert out.misses == len(CONTEXTS) and out.hits == 0
 
