@@ -198,7 +198,22 @@ class RedisStore(KVStore):
                 self._call(lambda b=batch: self.client.delete(*b))
 
     def _usage(self) -> dict:
-        return {"entries": None, "bytes": None, "available": self.available}
+        """Entries (committed headers) and bytes (STRLEN of every key of this namespace): a full
+        SCAN, meant for operators (``ragkv stats``), not for the request path."""
+        pat = f"{self.namespace}ragkv:{{*}}:*"
+        try:
+            names = self._call(lambda: list(self.client.scan_iter(match=pat, count=1000)))
+            nbytes = 0
+            for i in range(0, len(names), 512):
+                batch = names[i : i + 512]
+                pipe = self.client.pipeline(transaction=False)
+                for n in batch:
+                    pipe.strlen(n)
+                nbytes += sum(int(x or 0) for x in self._call(pipe.execute))
+        except StoreError:
+            return {"entries": None, "bytes": None, "available": self.available}
+        entries = sum(1 for n in names if (n.decode() if isinstance(n, bytes) else n).endswith(":h"))
+        return {"entries": entries, "bytes": nbytes, "available": self.available}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

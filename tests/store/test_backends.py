@@ -258,3 +258,17 @@ def test_disk_full_raises_storefull_and_leaves_nothing(tmp_path, monkeypatch):
         s.put(meta, layers)
     assert not s.contains(meta.key) and s.get(meta.key) is None
     assert [p for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.parent.name != "kv"] == []
+
+
+@pytest.mark.redis
+def test_redis_stats_count_entries_and_bytes(redis_store):
+    assert redis_store.stats()["entries"] == 0 and redis_store.stats()["bytes"] == 0
+    metas = []
+    for seed in (1, 2):
+        meta, layers = make_entry(seed=seed)
+        assert redis_store.put(meta, layers)
+        metas.append(meta)
+    st = redis_store.stats()
+    enc_bytes = sum(len(e.header) + sum(len(b) for b in e.blobs)
+                    for e in (redis_store.get_encoded(m.key) for m in metas))
+    assert st["entries"] == 2 and st["bytes"] == enc_bytes
