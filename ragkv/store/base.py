@@ -228,12 +228,15 @@ class KVStore(ABC):
             self._corrupt(key, e)
             return None
         except (StoreError, OSError) as e:
-            self._count("errors")
-            self._count("misses")
-            log.debug("%s: read of %s failed: %s", self.uri, key, e)
-            return None
+            return self._read_failed(key, e)
         self._count("hits" if r is not None else "misses")
         return r
+
+    def _read_failed(self, key: str, err: Exception) -> None:
+        """An I/O or connection error on read: counted, logged, a miss."""
+        self._count("errors")
+        self._count("misses")
+        log.debug("%s: read of %s failed: %s", self.uri, key, err)
 
     def _get_full(self, key: str) -> tuple[bytes, Layout, list, list[StoredLayer]] | None:
         try:
@@ -248,10 +251,7 @@ class KVStore(ABC):
             self._corrupt(key, e)
             return None
         except (StoreError, OSError) as e:
-            self._count("errors")
-            self._count("misses")
-            log.debug("%s: read of %s failed: %s", self.uri, key, e)
-            return None
+            return self._read_failed(key, e)
         self._count("hits")
         return header, layout, blobs, stored
 

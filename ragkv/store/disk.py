@@ -174,24 +174,17 @@ class DiskStore(KVStore):
             return None
         try:
             size = os.fstat(fd).st_size
+            head = os.pread(fd, min(size, _HEAD_READ), 0)
+            n = header_nbytes(head)
+            if n > len(head):
+                head += os.pread(fd, n - len(head), len(head))
+            header = head[:n]
+            _meta, layout = decode_header(header, key)
+            self._check_size(layout, size)
             if layers is not None and wants_all(layers):
-                head = os.pread(fd, min(size, _HEAD_READ), 0)
-                n = header_nbytes(head)
-                if n > len(head):
-                    head += os.pread(fd, n - len(head), len(head))
-                header = head[:n]
-                _, layout = decode_header(header, key)
-                self._check_size(layout, size)
                 blobs = _StreamedBlobs(self, fd, layout)  # owns fd from here on
                 fd = -1
             else:
-                head = os.pread(fd, min(size, _HEAD_READ), 0)
-                n = header_nbytes(head)
-                if n > len(head):
-                    head += os.pread(fd, n - len(head), len(head))
-                header = head[:n]
-                _meta, layout = decode_header(header, key)
-                self._check_size(layout, size)
                 blobs = []
                 for i in layers or ():
                     ll = layout.layers[i]
