@@ -20,6 +20,7 @@ check, not a MAC. Decoding validates everything and raises ``CorruptEntry`` on a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -381,7 +382,19 @@ def _meta_from_json(m: Any) -> EntryMeta:
 
 def decode_header(header: bytes, expected_key: str | None = None) -> tuple[EntryMeta, Layout]:
     """Parse and validate a header. ``expected_key``: the key the entry was fetched under; a header
-    bound to another key is corrupt (an entry stored under the wrong key is never served)."""
+    bound to another key is corrupt (an entry stored under the wrong key is never served).
+
+    Layer-streamed reads fetch the same header once per layer: parsed headers are memoized on their
+    exact bytes (meta and layout are frozen), so only the first read of an entry pays for the JSON."""
+    n = header_nbytes(header)
+    meta, layout = _decode_header_bytes(bytes(header[:n]) if len(header) >= n else bytes(header))
+    if expected_key is not None and meta.key != expected_key:
+        raise CorruptEntry(f"header: bound to key {meta.key!r}, fetched as {expected_key!r}")
+    return meta, layout
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_header_bytes(header: bytes) -> tuple[EntryMeta, Layout]:
     n = header_nbytes(header)
     if len(header) < n:
         raise CorruptEntry(f"header: truncated ({len(header)} of {n} bytes)")
@@ -398,8 +411,6 @@ def decode_header(header: bytes, expected_key: str | None = None) -> tuple[Entry
     if doc.get("version") != FORMAT_VERSION or doc.get("checksum") != CHECKSUM_ALGO:
         raise CorruptEntry("header: unsupported version or checksum algorithm")
     meta = _meta_from_json(doc.get("meta"))
-    if expected_key is not None and meta.key != expected_key:
-        raise CorruptEntry(f"header: bound to key {meta.key!r}, fetched as {expected_key!r}")
     lays = _req(doc, "layers", list, "header")
     if len(lays) != meta.num_layers:
         raise CorruptEntry(f"header: {len(lays)} layer layouts, meta says {meta.num_layers}")
