@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,7 @@ from ragkv.store.entry import EntryMeta, StoredLayer
 from ragkv.store.errors import StoreError
 
 SIGNALS = ("k", "v", "kv")
+DEFAULT_CHECK_LAYERS = (1, 3, 6)  # gradual filtering; measured in benchmarks/blend
 _IS_CAUSAL_IMPLS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
@@ -54,7 +55,7 @@ class BlendConfig:
     signal: which deviation selects tokens: "v" (the paper's choice), "k" or "kv"."""
 
     ratio: float = 0.15
-    check_layers: tuple[int, ...] = (1,)
+    check_layers: tuple[int, ...] | None = None  # None: (1, 3, 6), cut to the model's depth
     first_ratio: float | None = None
     signal: str = "v"
     normalize: bool = False
@@ -68,7 +69,9 @@ class BlendConfig:
             raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
         if self.signal not in SIGNALS:
             raise ValueError(f"signal {self.signal!r}: valid are {SIGNALS}")
-        if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
+        if self.check_layers is not None and (
+            not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers))
+        ):
             raise ValueError(f"check_layers must be strictly increasing and non-empty, got {self.check_layers}")
         if self.first_ratio is not None and not self.ratio <= self.first_ratio <= 1.0:
             raise ValueError("first_ratio must lie in [ratio, 1]")
@@ -76,7 +79,7 @@ class BlendConfig:
     def layer_ratios(self, ratio: float | None = None) -> list[float]:
         """Fraction of chunk tokens kept after each check layer (the last one is ``ratio``)."""
         ratio = self.ratio if ratio is None else ratio
-        n = len(self.check_layers)
+        n = len(self.check_layers or DEFAULT_CHECK_LAYERS)
         if n == 1:
             return [ratio]
         first = max(ratio, self.first_ratio if self.first_ratio is not None else min(1.0, 2 * ratio))
@@ -224,7 +227,7 @@ class BlendEngine:
         self.config = config or BlendConfig()
         self.adapter = ModelAdapter.of(model)
         self.template = template or PromptTemplate.for_tokenizer(tokenizer)
-        self.policy = policy or PrecomputePolicy()
+        self.policy = (policy or PrecomputePolicy()).resolve(model)
         self.namespace = namespace
         self.fingerprint = fingerprint(model, tokenizer).digest()
         self.policy_id = self.policy.policy_id(self.template)
@@ -340,10 +343,10 @@ class BlendEngine:
         input_ids = torch.tensor([prompt.input_ids], device=device)
         positions = torch.arange(total, device=device)
         naive = ratio == 0.0 or C == 0
-        check = [] if naive else list(cfg.check_layers)
+        check = [] if naive else self._check_layers()
         if check and check[-1] >= a.num_layers:
             raise ValueError(f"check layer {check[-1]} >= number of layers {a.num_layers}")
-        ratios = {} if naive else dict(zip(check, cfg.layer_ratios(ratio)))
+        ratios = {} if naive else dict(zip(check, replace(cfg, check_layers=tuple(check)).layer_ratios(ratio)))
         first_load = 0 if naive else check[0]  # chunk K/V below the first check layer is never read
 
         cache = _FusedCache(a.num_layers)
@@ -439,6 +442,12 @@ class BlendEngine:
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = scores.softmax(-1).mean(dim=(0, 1, 2))  # [T]
         return probs[rows_pos]
+
+    def _check_layers(self) -> list[int]:
+        if self.config.check_layers is not None:
+            return list(self.config.check_layers)
+        n = self.adapter.num_layers
+        return [c for c in DEFAULT_CHECK_LAYERS if c < n - 1] or [min(1, n - 1)]
 
     def _meta_matches(self, meta: EntryMeta, seg: _Segment) -> bool:
         a = self.adapter

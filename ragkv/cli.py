@@ -34,6 +34,14 @@ def _open_store(uris: str):
         raise click.BadParameter(str(e), param_hint="--store") from None
 
 
+def _policy_options(f):
+    """--sink/--gap: the precompute policy; writers and readers of one store must agree on it."""
+    f = click.option("--gap", type=click.IntRange(min=0), default=None,
+                     help="precompute policy: positions between sink and chunk  [default: min(1024, context/4)]")(f)
+    return click.option("--sink", type=click.Choice(["template", "bos", "none"]), default="template",
+                        show_default=True, help="precompute policy: what each chunk is prefilled behind")(f)
+
+
 def _shard(ctx, param, value):
     from ragkv.precompute import parse_shard
 
@@ -61,8 +69,9 @@ def _shard(ctx, param, value):
               help="only chunks whose key is in shard I of N (split one corpus over N machines)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar on stderr")
+@_policy_options
 def precompute(paths, store_uri, model_name, chunk_tokens, storage_dtype, quant_axis, namespace,
-               batch_tokens, shard, as_json, progress):
+               batch_tokens, shard, as_json, progress, sink, gap):
     """Chunk, prefill and store documents: .txt/.md files, .jsonl (field "text"), folders (recursive).
 
     Idempotent: chunks already in the store are skipped, so a killed run just runs again. Files that
@@ -71,6 +80,7 @@ def precompute(paths, store_uri, model_name, chunk_tokens, storage_dtype, quant_
     from pathlib import Path
 
     from ragkv import models
+    from ragkv.policy import PrecomputePolicy
     from ragkv.precompute import precompute as run
 
     if quant_axis is not None and storage_dtype != "int8":
@@ -83,7 +93,7 @@ def precompute(paths, store_uri, model_name, chunk_tokens, storage_dtype, quant_
     with store:
         summary = run([Path(p) for p in paths], model, tok, store, chunk_tokens, storage_dtype=storage_dtype,
                       quant_axis=quant_axis, namespace=namespace, batch_tokens=batch_tokens, shard=shard,
-                      progress=progress)
+                      policy=PrecomputePolicy(sink, gap), progress=progress)
     click.echo(summary.describe(), err=True)
     if as_json:
         click.echo(json.dumps(summary.as_dict()))
@@ -165,14 +175,13 @@ def evict(store_uri, max_bytes):
 @click.option("--store", "store_uris", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
 @click.option("--ratios", default="0,0.15,0.3,1", show_default=True, help="Comma-separated recompute ratios.")
 @click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True)
-@click.option("--check-layers", default="1", show_default=True, help="Comma-separated check layers.")
-@click.option("--sink", type=click.Choice(["template", "bos", "none"]), default="template", show_default=True,
-              help="Precompute policy: what each chunk is prefilled behind.")
+@click.option("--check-layers", default=None, help="Comma-separated check layers (default: 1,3,6 gradual).")
+@_policy_options
 @click.option("--tokens", "n_tokens", default=32, show_default=True, help="Answer tokens scored for fidelity.")
 @click.option("--repeats", default=1, show_default=True, help="Timed runs per method and question (median).")
 @click.option("--namespace", default="", help="Cache namespace (salt).")
 @click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="Also write the report here.")
-def eval_cmd(questions_path, model, store_uris, ratios, signal, check_layers, sink, n_tokens, repeats,
+def eval_cmd(questions_path, model, store_uris, ratios, signal, check_layers, sink, gap, n_tokens, repeats,
              namespace, json_out):
     """Measure how faithful blending is to full prefill on your own questions."""
     from ragkv import models
@@ -182,7 +191,7 @@ def eval_cmd(questions_path, model, store_uris, ratios, signal, check_layers, si
 
     try:
         ratio_list = [float(r) for r in ratios.split(",") if r.strip()]
-        layers = tuple(int(x) for x in check_layers.split(",") if x.strip())
+        layers = None if check_layers is None else tuple(int(x) for x in check_layers.split(",") if x.strip())
     except ValueError as e:
         raise click.BadParameter(f"--ratios/--check-layers: {e}") from None
     if not ratio_list or any(not 0 <= r <= 1 for r in ratio_list):
@@ -197,7 +206,7 @@ def eval_cmd(questions_path, model, store_uris, ratios, signal, check_layers, si
     except models.ModelNotFoundError as e:
         raise click.ClickException(str(e)) from None
     store = _open_store(store_uris)
-    engine = BlendEngine(m, tok, store, config=config, policy=PrecomputePolicy(sink), namespace=namespace)
+    engine = BlendEngine(m, tok, store, config=config, policy=PrecomputePolicy(sink, gap), namespace=namespace)
 
     def progress(i, n):
         click.echo(f"  question {i}/{n}", err=True)

@@ -10,9 +10,16 @@ K/V are discarded:
     sink="bos"                 only the BOS / first template token
     sink="none"                the chunk alone at position 0 (what naive implementations do)
 
-The chunk is stored with ``start_pos = len(sink)``; the read path re-rotates its keys from there. The
-policy id (name, version, digest of the sink ids) is part of every chunk key, so entries made under
-another policy are never mixed in. ``benchmarks/blend`` measures the three.
+and, with ``gap``, the chunk starts ``gap`` positions after the sink instead of right behind it. In a
+real prompt most chunks sit hundreds or thousands of positions after the prefix; a chunk prefilled at
+such a distance from its sink attends to it the way it will in the prompt (RoPE makes attention
+depend on distance), so its K/V deviate less once fused. Measured on SmolLM2 (benchmarks/blend):
+naive reuse fidelity 0.82 (no sink) -> 0.88 (template sink, gap 1024); blended at r = 0.15 0.90 -> 0.93.
+The default gap is ``min(1024, max_position_embeddings // 4)``.
+
+The chunk is stored with ``start_pos = len(sink) + gap``; the read path re-rotates its keys from
+there. The policy id (sink, gap, version, digest of the sink ids) is part of every chunk key, so
+entries made under another policy are never mixed in. ``benchmarks/blend`` measures the variants.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from ragkv.adapter import ModelAdapter
 POLICY_VERSION = 1
 SINKS = ("template", "bos", "none")
 PREFIX_POLICY = f"prefix-v{POLICY_VERSION}"
+DEFAULT_GAP = 1024
 
 
 @dataclass(frozen=True)
@@ -36,13 +44,20 @@ class PrecomputePolicy:
     position is ``len(sink) + gap`` (a chunk far from the sink, as most chunks are in a real prompt)."""
 
     sink: str = "template"
-    gap: int = 0
+    gap: int | None = None  # None: min(1024, max_position_embeddings // 4), fixed by ``resolve``
 
     def __post_init__(self):
         if self.sink not in SINKS:
             raise ValueError(f"unknown sink {self.sink!r}; valid: {', '.join(SINKS)}")
-        if self.gap < 0:
+        if self.gap is not None and self.gap < 0:
             raise ValueError(f"gap must be >= 0, got {self.gap}")
+
+    def resolve(self, model) -> PrecomputePolicy:
+        """This policy with its default gap fixed for ``model``."""
+        if self.gap is not None:
+            return self
+        max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
+        return PrecomputePolicy(self.sink, min(DEFAULT_GAP, max_pos // 4))
 
     def sink_ids(self, template) -> list[int]:
         if self.sink == "none":
@@ -52,6 +67,8 @@ class PrecomputePolicy:
         return list(template.prefix_ids)
 
     def policy_id(self, template) -> str:
+        if self.gap is None:
+            raise ValueError("resolve() the policy for a model before using it")
         digest = hashlib.blake2b(
             b",".join(str(t).encode() for t in self.sink_ids(template)), digest_size=8
         ).hexdigest()
@@ -59,6 +76,8 @@ class PrecomputePolicy:
         return f"sink-{self.sink}{gap}-v{POLICY_VERSION}-{digest}"
 
     def chunk_start(self, template) -> int:
+        if self.gap is None:
+            raise ValueError("resolve() the policy for a model before using it")
         return len(self.sink_ids(template)) + self.gap
 
 
@@ -76,6 +95,13 @@ def prefill_kv(
 
     adapter = ModelAdapter.of(model)
     s = len(sink_ids)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    longest = max(map(len, chunks), default=0)
+    if limit is not None and s + gap + longest > limit:
+        raise ValueError(
+            f"a chunk of {longest} tokens behind a {s}-token sink and a gap of {gap} exceeds the model's "
+            f"{limit} positions; use shorter chunks or a smaller PrecomputePolicy gap"
+        )
     order = sorted(range(len(chunks)), key=lambda i: -len(chunks[i]))  # similar lengths batch together
     out: list = [None] * len(chunks)
     i = 0

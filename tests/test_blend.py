@@ -367,3 +367,15 @@ def test_every_precompute_policy_blends_exactly_at_ratio_one(sink, gap):
     torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
     other = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(sink, gap + 1))
     assert other.chunk_key(prompt.chunk_ids[0]) != eng.chunk_key(prompt.chunk_ids[0])  # policies never mix
+
+
+def test_default_policy_gap_follows_the_context_and_long_chunks_are_refused():
+    from ragkv.policy import PrecomputePolicy
+
+    model = models.tiny_model("llama")  # 2048 positions
+    eng = engine(model)
+    assert eng.policy.gap == 512 and eng.chunk_start == len(TEMPLATE.prefix_ids) + 512
+    assert PrecomputePolicy().resolve(models.tiny_model("llama", max_position_embeddings=8192)).gap == 1024
+    with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
+        eng.prefill_chunks([list(range(10, 1600))])
+    assert eng._check_layers() == [1]  # (1, 3, 6) cut to a 4-layer model

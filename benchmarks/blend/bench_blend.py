@@ -28,13 +28,13 @@ from ragkv.prompt import PromptTemplate
 from ragkv.store import open_store
 
 VARIANTS = {
-    # name: (policy sink, BlendConfig kwargs)
-    "reference (sink none, V, check [1])": ("none", dict(signal="v", check_layers=(1,))),
-    "sink template, V, check [1]": ("template", dict(signal="v", check_layers=(1,))),
-    "sink template, K, check [1]": ("template", dict(signal="k", check_layers=(1,))),
-    "sink template, KV, check [1]": ("template", dict(signal="kv", check_layers=(1,))),
-    "sink template, V, gradual [1,3,6]": ("template", dict(signal="v", check_layers=(1, 3, 6))),
-    "sink bos, V, check [1]": ("bos", dict(signal="v", check_layers=(1,))),
+    # name: (PrecomputePolicy kwargs, BlendConfig kwargs); gap None = the default, 1024 for SmolLM2
+    "reference: no sink, V, check [1]": (dict(sink="none", gap=0), dict(signal="v", check_layers=(1,))),
+    "sink template, gap 0, V, check [1]": (dict(sink="template", gap=0), dict(signal="v", check_layers=(1,))),
+    "sink template, gap 1024, V, check [1]": (dict(sink="template"), dict(signal="v", check_layers=(1,))),
+    "sink template, gap 1024, KV, check [1]": (dict(sink="template"), dict(signal="kv", check_layers=(1,))),
+    "ragkv default: sink template, gap 1024, V, gradual [1,3,6]": (dict(sink="template"), dict()),
+    "ragkv default, int8 storage": (dict(sink="template"), dict(storage_dtype="int8")),
 }
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     model, tok = models.load()
     template = PromptTemplate.for_tokenizer(tok)
     qs = [Question(q["question"], q["contexts"]) for q in build(template, n_questions=a.questions)]
-    store = open_store(a.store or f"disk://{out.resolve()}/store")
+    base = a.store or f"disk://{out.resolve()}/store"
     ratios = [float(r) for r in a.ratios.split(",")]
     names = list(VARIANTS)
     if a.variants != "all":
@@ -62,8 +62,10 @@ def main() -> None:
     report = {"model": "SmolLM2-135M-Instruct", "device": "cpu", "threads": torch.get_num_threads(),
               "questions": len(qs), "prompt_tokens": None, "variants": {}}
     for name in names:
-        sink, cfg = VARIANTS[name]
-        eng = BlendEngine(model, tok, store, config=BlendConfig(**cfg), policy=PrecomputePolicy(sink))
+        policy, cfg = VARIANTS[name]
+        # entries are keyed by content, not encoding: another storage dtype needs its own store
+        store = open_store(base + ("-" + cfg["storage_dtype"] if "storage_dtype" in cfg else ""))
+        eng = BlendEngine(model, tok, store, config=BlendConfig(**cfg), policy=PrecomputePolicy(**policy))
         t0 = time.time()
         rep = evaluate(eng, qs, ratios=ratios, repeats=2)
         report["prompt_tokens"] = sum(eng.build_prompt(q.question, q.contexts).num_tokens for q in qs) / len(qs)
