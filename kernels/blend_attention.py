@@ -182,17 +182,19 @@ def blend_attention_torch(q, k, v, q_pos, k_pos=None, sm_scale: float | None = N
 
 
 def blend_attention_sdpa(q, k, v, q_pos, k_pos=None, sm_scale: float | None = None,
-                         blocks: int = 8) -> torch.Tensor:
-    """CPU production path (torch): the queries, sorted by position, are cut into ``blocks`` groups;
-    each group runs torch's fused SDPA over only the keys up to its last position, with the
-    positional mask for that slice. A causal-by-position attention of n scattered queries over T keys
-    then costs ~(1/2 + 1/(2*blocks)) of the dense n x T work instead of all of it, and no n x T
-    score matrix is kept beyond one group's. k_pos must be None (keys at positions 0..T-1)."""
+                         blocks: int | None = None) -> torch.Tensor:
+    """CPU production path (torch): the queries, sorted by position, are cut into ``blocks`` groups
+    (default: one per 64 queries, at most 8); each group runs torch's fused SDPA over only the keys up
+    to its last position, with the positional mask for that slice. A causal-by-position attention of
+    n scattered queries over T keys then costs ~(1/2 + 1/(2*blocks)) of the dense n x T work. GQA
+    without copying K/V: the query heads that share a kv head are stacked along the query axis.
+    k_pos must be None (keys at positions 0..T-1); otherwise this falls back to the reference."""
     Hq, n, D, Hkv, T = _check(q, k, v, q_pos, k_pos)
     if k_pos is not None:
         return blend_attention_torch(q, k, v, q_pos, k_pos, sm_scale)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     group = Hq // Hkv
+    blocks = max(1, min(8, n // 64)) if blocks is None else blocks
     order = torch.argsort(q_pos)
     out = torch.empty_like(q)
     bounds = torch.linspace(0, n, min(blocks, n) + 1).round().long().tolist()
@@ -201,13 +203,12 @@ def blend_attention_sdpa(q, k, v, q_pos, k_pos=None, sm_scale: float | None = No
             continue
         idx = order[s:e]
         pos = q_pos[idx]
-        kv_len = min(T, int(pos.max()) + 1)
+        m, kv_len = e - s, min(T, int(pos.max()) + 1)
         visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]  # [m, kv_len]
-        kk, vv = k[:, :kv_len], v[:, :kv_len]
-        if group > 1:
-            kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
+        qq = q[:, idx].reshape(Hkv, group * m, D)  # head h = kv head h // group: stack the group
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[:, idx][None], kk[None], vv[None], attn_mask=visible[None, None], scale=sm_scale
+            qq[None], k[None, :, :kv_len], v[None, :, :kv_len], attn_mask=visible.repeat(group, 1)[None, None],
+            scale=sm_scale,
         )[0]
-        out[:, idx] = o.nan_to_num(0.0)  # a query with no visible key -> zeros, as the kernel
+        out[:, idx] = o.view(Hq, m, D).nan_to_num(0.0)  # a query with no visible key -> zeros, as the kernel
     return out

@@ -477,6 +477,8 @@ class BlendEngine:
         shape = (1, a.num_kv_heads, total, a.head_dim)
         k_all = torch.empty(shape, dtype=a.dtype, device=a.device)
         v_all = torch.empty(shape, dtype=a.dtype, device=a.device)
+        inv = a.inv_freq.to(a.device)
+        lo, hi, deltas = total, 0, []  # the span of plain (unquantized) keys still to re-rotate
         for seg in segments:
             if not (load_chunks if seg.chunk else load_prefix):
                 continue
@@ -492,17 +494,26 @@ class BlendEngine:
                 (k, v), k_scale, v_scale = item, None, None
             k, v = k.to(a.device), v.to(a.device)
             shift = seg.start - seg.stored_start
-            if shift or k_scale is not None or k.dtype != a.dtype:
+            if k_scale is not None:  # dequantize and re-rotate in one pass
                 delta = torch.full((n,), shift, dtype=torch.long, device=a.device)
-                inv = a.inv_freq.to(a.device)
-                scale = None if k_scale is None else k_scale.to(a.device)
-                dst_k.copy_(ops.rope_shift(k, delta, inv, scale=scale, out_dtype=a.dtype))
+                dst_k.copy_(ops.rope_shift(k, delta, inv, scale=k_scale.to(a.device), out_dtype=a.dtype))
             else:
                 dst_k.copy_(k)
+                if shift:
+                    lo, hi = min(lo, seg.start), max(hi, seg.start + n)
+                    deltas.append((seg.start, n, shift))
             if v_scale is not None:
                 dst_v.copy_(v.float() * v_scale.to(a.device))
             else:
                 dst_v.copy_(v)
+            stats.t_fuse += time.perf_counter() - tf
+        if deltas:  # one rope_shift over the span: the chunks sit side by side, each with its own delta
+            tf = time.perf_counter()
+            delta = torch.zeros(hi - lo, dtype=torch.long, device=a.device)
+            for start, n, shift in deltas:
+                delta[start - lo : start - lo + n] = shift
+            span = k_all[0, :, lo:hi]
+            span.copy_(ops.rope_shift(span, delta, inv, out_dtype=a.dtype))
             stats.t_fuse += time.perf_counter() - tf
         cache.keys[li], cache.values[li] = k_all, v_all
 
