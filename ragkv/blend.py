@@ -62,7 +62,6 @@ class BlendConfig:
     storage_dtype: str | None = None  # for chunks computed on a miss and written back; None = model dtype
     quant_axis: str | None = None
     pipelined: bool = True  # read layer i+1 from the store while layer i computes (ragkv.loader)
-    weight: str = "none"  # "suffix_attn": scale each token's deviation by the question's attention to it
 
     def __post_init__(self):
         if not 0.0 <= self.ratio <= 1.0:
@@ -392,20 +391,8 @@ class BlendEngine:
                     extra["ragkv_q_pos"] = active
                 elif mask is None:
                     mask = _causal_mask_by_position(active, total, dtype)
-                hook = None
-                if li in ratios and cfg.weight == "suffix_attn":
-                    captured = {}
-                    hook = layer.self_attn.q_proj.register_forward_hook(lambda m, i, o, c=captured: c.update(q=o))
-                try:
-                    hidden = layer(hidden, attention_mask=None if whole else mask, position_ids=pos, cache=cache,
-                                   use_cache=True, position_embeddings=cos_sin, **extra)
-                finally:
-                    if hook is not None:
-                        hook.remove()
-                if hook is not None:
-                    cache.scores = cache.scores * self._suffix_attention(
-                        layer.self_attn, captured["q"], cos_sin, active, cache.keys[li][0], P + C,
-                        active[cache.score_rows])
+                hidden = layer(hidden, attention_mask=None if whole else mask, position_ids=pos, cache=cache,
+                               use_cache=True, position_embeddings=cos_sin, **extra)
                 if li in ratios:
                     keep_n = min(cache.score_rows.numel(), math.ceil(ratios[li] * C - 1e-9))
                     top = ops.select_topk(cache.scores, keep_n)
@@ -424,24 +411,6 @@ class BlendEngine:
         stats.recomputed_tokens = 0 if selected is None else int(selected.numel())
         stats.t_total = time.perf_counter() - t0
         return BlendResult(input_ids, logits, handoff, stats, selected)
-
-    def _suffix_attention(self, attn, q, cos_sin, active, keys, suffix_start, rows_pos):
-        """Mean attention weight (over suffix queries and heads) of the keys at ``rows_pos``."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        a = self.adapter
-        sel = active >= suffix_start
-        q = q[0, sel].view(-1, a.num_heads, a.head_dim).transpose(0, 1)[None]  # [1, Hq, S, D]
-        cos, sin = cos_sin[0][:, sel], cos_sin[1][:, sel]
-        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        g = a.num_heads // a.num_kv_heads
-        k = keys.repeat_interleave(g, 0)[None]  # [1, Hq, T, D]
-        scores = (q @ k.transpose(-1, -2)).float() * a.head_dim**-0.5
-        qpos = active[sel]
-        allowed = torch.arange(keys.shape[1], device=q.device)[None, :] <= qpos[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = scores.softmax(-1).mean(dim=(0, 1, 2))  # [T]
-        return probs[rows_pos]
 
     def _check_layers(self) -> list[int]:
         if self.config.check_layers is not None:
