@@ -342,7 +342,7 @@ class BlendEngine:
         input_ids = torch.tensor([prompt.input_ids], device=device)
         positions = torch.arange(total, device=device)
         naive = ratio == 0.0 or C == 0
-        check = [] if naive else self._check_layers()
+        check = [] if naive else self.check_layers
         if check and check[-1] >= a.num_layers:
             raise ValueError(f"check layer {check[-1]} >= number of layers {a.num_layers}")
         ratios = {} if naive else dict(zip(check, replace(cfg, check_layers=tuple(check)).layer_ratios(ratio)))
@@ -412,7 +412,9 @@ class BlendEngine:
         stats.t_total = time.perf_counter() - t0
         return BlendResult(input_ids, logits, handoff, stats, selected)
 
-    def _check_layers(self) -> list[int]:
+    @property
+    def check_layers(self) -> list[int]:
+        """The check layers in use: the configured ones, or the default (1, 3, 6) cut to the model."""
         if self.config.check_layers is not None:
             return list(self.config.check_layers)
         n = self.adapter.num_layers

@@ -378,4 +378,4 @@ def test_default_policy_gap_follows_the_context_and_long_chunks_are_refused():
     assert PrecomputePolicy().resolve(models.tiny_model("llama", max_position_embeddings=8192)).gap == 1024
     with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
         eng.prefill_chunks([list(range(10, 1600))])
-    assert eng._check_layers() == [1]  # (1, 3, 6) cut to a 4-layer model
+    assert eng.check_layers == [1]  # (1, 3, 6) cut to a 4-layer model

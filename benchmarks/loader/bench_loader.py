@@ -1,12 +1,12 @@
 """TTFT of a blended prefill, sequential vs pipelined layer loading (ragkv.loader), per backend.
 
 6 chunks of ~512 tokens (pydoc text of stdlib modules, ragkv.chunking.chunk_document), SmolLM2,
-ratio 0.15, check layer 1. Per backend (memory, disk, redis) and mode, ``--reps`` prefills; the
+ratio 0.15, the default check layers (gradual 1,3,6). Per backend (memory, disk, redis) and mode, ``--reps`` prefills; the
 median is reported. The split comes from the sequential run:
 
     load      = loader read time (BlendStats.t_load_io)
     recompute = decoder-layer compute after the last check layer (forward hooks on each layer)
-    fixed     = everything else (lookup, layers <= check layer computed in full, fusion, lm head)
+    fixed     = everything else (lookup, layers up to the last check layer, fusion, lm head)
     target    : pipelined TTFT <= 1.15 * max(load, recompute) + fixed
 
 Disk: before each prefill the entry files are evicted from the page cache with
@@ -109,7 +109,7 @@ def main() -> int:
         ctx = contexts(eng.template)
         prompt = eng.build_prompt("Which module documents the most functions?", ctx)
         eng.prefill_prompt(prompt)  # compute and store every chunk
-        check = eng.config.check_layers[-1]
+        check = eng.check_layers[-1]
         res: dict[str, list] = {m: [] for m in engines}
         for _ in range(args.reps):
             for mode, e in engines.items():
