@@ -23,6 +23,7 @@ its K/V are exact and it is never recomputed.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -102,6 +103,7 @@ class BlendStats:
     t_compute: float = 0.0
     t_total: float = 0.0
     t_load_io: float = 0.0  # the loader's own read time (t_load: time the compute thread waited)
+    ratio: float = 0.0  # the recompute ratio used (resolved when "auto")
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -233,6 +235,8 @@ class BlendEngine:
         self.sink_ids = self.policy.sink_ids(self.template)
         self.chunk_start = self.policy.chunk_start(self.template)  # stored start position of every chunk
         self.model_dtype = str(model.dtype).removeprefix("torch.")
+        self.ratio_floor = 0.15  # the quality floor of ratio="auto"
+        self._controller = None  # built on the first ratio="auto" (measures the model once)
 
     # ------------------------------------------------------------------ keys and write-back
 
@@ -309,11 +313,11 @@ class BlendEngine:
         with self.store.pin([s.key for s in segments]):
             return self._prefill(prompt, segments, ratio, t0)
 
-    def _prefill(self, prompt: Prompt, segments: list[_Segment], ratio: float | None, t0: float) -> BlendResult:
+    def _prefill(self, prompt: Prompt, segments: list[_Segment], ratio, t0: float) -> BlendResult:
         cfg = self.config
         ratio = cfg.ratio if ratio is None else ratio
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        if ratio != "auto" and not (isinstance(ratio, (int, float)) and 0.0 <= ratio <= 1.0):
+            raise ValueError(f"ratio must be in [0, 1] or 'auto', got {ratio!r}")
         a = self.adapter
         total = prompt.num_tokens
         a.check_length(total)
@@ -337,6 +341,10 @@ class BlendEngine:
 
         P = len(prompt.prefix_ids)
         C = sum(map(len, prompt.chunk_ids))
+        if ratio == "auto":
+            ratio = self.auto_ratio([s.key for s in segments if s.chunk and s.layers is None], C,
+                                    len(prompt.suffix_ids), total)
+        stats.ratio = ratio
         stats.reused_tokens = sum(len(s.ids) for s in segments if s.chunk and s.layers is None)
         device, dtype = a.device, a.dtype
         input_ids = torch.tensor([prompt.input_ids], device=device)
@@ -411,6 +419,26 @@ class BlendEngine:
         stats.recomputed_tokens = 0 if selected is None else int(selected.numel())
         stats.t_total = time.perf_counter() - t0
         return BlendResult(input_ids, logits, handoff, stats, selected)
+
+    def with_config(self, **changes) -> BlendEngine:
+        """A view of this engine (same model, store, policy, measurements) with other BlendConfig fields."""
+        other = copy.copy(self)
+        other.config = replace(self.config, **changes)
+        return other
+
+    def auto_ratio(self, keys: Sequence[str], chunk_tokens: int, suffix_tokens: int, total: int) -> float:
+        """The loading controller's ratio for these stored chunks (ragkv.controller): recompute what
+        one layer's load from the store hides, never below ``ratio_floor``."""
+        from ragkv.controller import RatioController, measure_layer_cost, measure_layer_read
+
+        if self._controller is None:
+            self._controller = RatioController(measure_layer_cost(self.model, context_tokens=total),
+                                               floor=self.ratio_floor)
+        if not keys:
+            return self._controller.floor
+        nbytes, seconds = measure_layer_read(self.store, keys, layer=self.adapter.num_layers - 1)
+        bandwidth = nbytes / seconds if nbytes and seconds > 0 else 0.0
+        return self._controller.choose(nbytes, bandwidth, chunk_tokens, suffix_tokens)
 
     @property
     def check_layers(self) -> list[int]:

@@ -173,7 +173,8 @@ def evict(store_uri, max_bytes):
               help="JSONL: one {question, contexts: [chunk, ...], answer?} per line.")
 @click.option("--model", default="smollm2-135m", show_default=True, help="Model name or local HF directory.")
 @click.option("--store", "store_uris", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
-@click.option("--ratios", default="0,0.15,0.3,1", show_default=True, help="Comma-separated recompute ratios.")
+@click.option("--ratios", default="0,0.15,0.3,1", show_default=True,
+              help="Comma-separated recompute ratios; 'auto' = the loading controller's choice (>= 0.15).")
 @click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True)
 @click.option("--check-layers", default=None, help="Comma-separated check layers (default: 1,3,6 gradual).")
 @_policy_options
@@ -190,12 +191,12 @@ def eval_cmd(questions_path, model, store_uris, ratios, signal, check_layers, si
     from ragkv.policy import PrecomputePolicy
 
     try:
-        ratio_list = [float(r) for r in ratios.split(",") if r.strip()]
+        ratio_list = [r.strip() if r.strip() == "auto" else float(r) for r in ratios.split(",") if r.strip()]
         layers = None if check_layers is None else tuple(int(x) for x in check_layers.split(",") if x.strip())
     except ValueError as e:
         raise click.BadParameter(f"--ratios/--check-layers: {e}") from None
-    if not ratio_list or any(not 0 <= r <= 1 for r in ratio_list):
-        raise click.BadParameter("--ratios must be numbers in [0, 1]")
+    if not ratio_list or any(r != "auto" and not 0 <= r <= 1 for r in ratio_list):
+        raise click.BadParameter("--ratios must be numbers in [0, 1] or 'auto'")
     try:
         qs = load_questions(questions_path)
         config = BlendConfig(signal=signal, check_layers=layers)

@@ -105,6 +105,7 @@ class MethodStats:
     f1: list[float] = field(default_factory=list)
     split: dict[str, list[float]] = field(default_factory=dict)
     recomputed: list[int] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
         d = {
@@ -118,13 +119,14 @@ class MethodStats:
             d[f"{k}_s"] = statistics.median(v)
         if self.recomputed:
             d["recomputed_tokens"] = statistics.fmean(self.recomputed)
+            d["ratio"] = statistics.fmean(self.ratio)
         return d
 
 
 def evaluate(
     engine: BlendEngine,
     questions: Sequence[Question],
-    ratios: Sequence[float] = (0.0, 0.15, 0.3, 1.0),
+    ratios: Sequence[float | str] = (0.0, 0.15, 0.3, 1.0),
     n_tokens: int = 32,
     max_new_tokens: int = 32,
     repeats: int = 1,
@@ -162,9 +164,14 @@ def evaluate(
             runs = [engine.prefill_prompt(prompt, ratio=r) for _ in range(repeats)]
             res = runs[-1]
             m.ttft_s.append(statistics.median(x.stats.t_total for x in runs))
-            for k in ("lookup", "load", "fuse", "compute"):
+            for k in ("lookup", "load", "load_io", "fuse", "compute"):
                 m.split.setdefault(k, []).append(statistics.median(getattr(x.stats, f"t_{k}") for x in runs))
+            if engine.config.pipelined:  # the same request with layers read in the compute thread
+                sequential = engine.with_config(pipelined=False)
+                seq = [sequential.prefill_prompt(prompt, ratio=r).stats.t_total for _ in range(repeats)]
+                m.split.setdefault("ttft_sequential", []).append(statistics.median(seq))
             m.recomputed.append(res.stats.recomputed_tokens)
+            m.ratio.append(res.stats.ratio)
             m.kl.append(kl_divergence(full_logits, res.logits))
             if q.answer is not None:
                 gen = engine.generate_from(engine.prefill_prompt(prompt, ratio=r), max_new_tokens=max_new_tokens)
@@ -179,20 +186,21 @@ def evaluate(
     }
 
 
-def _label(r: float) -> str:
-    return f"{r:g}"
+def _label(r: float | str) -> str:
+    return r if isinstance(r, str) else f"{r:g}"
 
 
 def format_table(report: dict) -> str:
     full = report["methods"]["full"]["ttft_s"]
     has_f1 = any("f1" in m for m in report["methods"].values())
     head = f"{'method':>8} {'ttft_s':>8} {'speedup':>8} {'fidelity':>9} {'kl':>8}" + (f" {'f1':>6}" if has_f1 else "")
-    head += f" {'load_s':>7} {'fuse_s':>7} {'recomp_s':>8}"
+    head += f" {'load_s':>7} {'fuse_s':>7} {'recomp_s':>8} {'seq_ttft':>8}"
     lines = [head, "-" * len(head)]
     for name, m in report["methods"].items():
         row = f"{name:>8} {m['ttft_s']:8.3f} {full / m['ttft_s']:7.2f}x {m['fidelity']:9.3f} {m['kl']:8.4f}"
         if has_f1:
             row += f" {m.get('f1', float('nan')):6.3f}"
-        row += "".join(f" {m.get(k, float('nan')):{w}.3f}" for k, w in (("load_s", 7), ("fuse_s", 7), ("compute_s", 8)))
+        row += "".join(f" {m.get(k, float('nan')):{w}.3f}" for k, w in (("load_s", 7), ("fuse_s", 7), ("compute_s", 8),
+                                                                   ("ttft_sequential_s", 8)))
         lines.append(row)
     return "\n".join(lines)

@@ -379,3 +379,43 @@ def test_default_policy_gap_follows_the_context_and_long_chunks_are_refused():
     with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
         eng.prefill_chunks([list(range(10, 1600))])
     assert eng.check_layers == [1]  # (1, 3, 6) cut to a 4-layer model
+
+
+class _SlowStore:
+    """A store whose layer reads take ``delay`` seconds each (a slow tier)."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay = inner, delay
+
+    def get_layer(self, key, i):
+        import time
+
+        time.sleep(self.delay)
+        return self.inner.get_layer(key, i)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_auto_ratio_recomputes_what_the_load_hides_never_below_the_floor():
+    from ragkv.controller import LayerCost, RatioController
+
+    ctl = RatioController(LayerCost(c0=0.001, c1=0.0001), floor=0.15)
+    # load 0.011 s per layer hides the recompute of (0.011 - 0.001 - 0.0001*10) / 0.0001 = 90 tokens
+    assert ctl.hidden_ratio(1100, 1e5, chunk_tokens=200, suffix_tokens=10) == pytest.approx(0.45)
+    assert ctl.choose(1100, 1e5, 200, 10) == pytest.approx(0.45)
+    assert ctl.choose(100, 1e9, 200, 10) == 0.15  # a fast tier: the floor
+    assert ctl.choose(10**9, 1.0, 200, 10) == 1.0
+    assert ctl.hides(0.45, 1100, 1e5, 200, 10) and not ctl.hides(0.2, 1100, 1e5, 200, 10)
+
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=29, sizes=(60, 60, 60))
+    store = MemoryStore()
+    eng = BlendEngine(model, None, store, template=TEMPLATE)
+    eng.prefill_prompt(prompt)
+    fast = eng.prefill_prompt(prompt, ratio="auto")
+    assert fast.stats.ratio == 0.15 and fast.stats.recomputed_tokens == math.ceil(0.15 * 180)
+    slow = BlendEngine(model, None, _SlowStore(store, 0.05), template=TEMPLATE).prefill_prompt(prompt, ratio="auto")
+    assert slow.stats.ratio > 0.5 and slow.stats.hits == 3
+    with pytest.raises(ValueError, match="'auto'"):
+        eng.prefill_prompt(prompt, ratio="fast")

@@ -44,14 +44,14 @@ def test_eval_cli_reports_every_method(tmp_path):
     out = tmp_path / "report.json"
     r = subprocess.run(
         [sys.executable, "-m", "ragkv.cli", "eval", "--questions", str(q), "--store", f"disk://{tmp_path}/s",
-         "--ratios", "0,0.15,1", "--tokens", "16", "--json", str(out)],
+         "--ratios", "0,0.15,1,auto", "--tokens", "16", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "fidelity" in r.stdout and "speedup" in r.stdout
     report = json.loads(out.read_text())
     methods = report["methods"]
-    assert set(methods) == {"full", "0", "0.15", "1"}
+    assert set(methods) == {"full", "0", "0.15", "1", "auto"}
     for m in methods.values():
         assert {"ttft_s", "fidelity", "kl", "f1"} <= set(m) and m["ttft_s"] > 0
     assert methods["full"]["fidelity"] == 1.0
@@ -59,3 +59,6 @@ def test_eval_cli_reports_every_method(tmp_path):
     assert methods["1"]["fidelity"] == 1.0 and methods["1"]["kl"] < 1e-4
     assert 0.0 <= methods["0"]["fidelity"] <= 1.0 and methods["0"]["kl"] >= methods["1"]["kl"]
     assert report["questions"] == 2
+    # time split per method, and the same requests with sequential loading
+    assert {"load_s", "fuse_s", "compute_s", "ttft_sequential_s"} <= set(methods["0.15"])
+    assert methods["auto"]["ratio"] >= 0.15 and methods["0.15"]["ratio"] == 0.15
