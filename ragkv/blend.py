@@ -55,7 +55,7 @@ class BlendConfig:
     narrows geometrically from ``first_ratio`` at the first to ``ratio`` at the last.
     signal: which deviation selects tokens: "v" (the paper's choice), "k" or "kv"."""
 
-    ratio: float = 0.15
+    ratio: float | str = 0.15  # or "auto": the loading controller's choice (ragkv.controller)
     check_layers: tuple[int, ...] | None = None  # None: (1, 3, 6), cut to the model's depth
     first_ratio: float | None = None
     signal: str = "v"
@@ -65,8 +65,8 @@ class BlendConfig:
     pipelined: bool = True  # read layer i+1 from the store while layer i computes (ragkv.loader)
 
     def __post_init__(self):
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        if self.ratio != "auto" and not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
+            raise ValueError(f"ratio must be in [0, 1] or 'auto', got {self.ratio!r}")
         if self.signal not in SIGNALS:
             raise ValueError(f"signal {self.signal!r}: valid are {SIGNALS}")
         if self.check_layers is not None and (

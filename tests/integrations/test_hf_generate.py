@@ -101,3 +101,11 @@ def test_generate_kwargs_pass_through(make_gen):
         sampled.append(gen.generate(QUESTION, CONTEXTS, max_new_tokens=4, do_sample=True, temperature=0.9,
                                     top_p=0.9).token_ids)
     assert sampled[0] == sampled[1] and len(sampled[0]) == 4
+
+
+@pytest.mark.slow
+def test_auto_ratio_through_the_wrapper(make_gen):
+    gen = make_gen(ratio="auto")
+    gen.generate(QUESTION, CONTEXTS, max_new_tokens=4)
+    out = gen.generate(QUESTION, CONTEXTS, max_new_tokens=4)
+    assert out.misses == 0 and out.stats.ratio >= 0.15
