@@ -55,6 +55,26 @@ class _ReadError(Exception):
     pass
 
 
+def _read_layer(store, keys: Sequence[str], li: int) -> tuple[list[StoredLayer | None], int]:
+    """Layer li of every key, with one batched store call (``get_layers``: one Redis round trip) when
+    the store has it; a failure of the batch falls back to reading key by key. -> (items, errors)."""
+    # looked up on the class: a wrapper that delegates unknown attributes must not bypass its get_layer
+    batched = getattr(type(store), "get_layers", None)
+    if batched is not None and len(keys) > 1:
+        try:
+            return list(batched(store, keys, li)), 0
+        except Exception as e:  # any store failure: retry key by key, each failure a miss
+            log.warning("get_layers(%d keys, %d) raised %s: %s", len(keys), li, type(e).__name__, e)
+    items, errors = [], 0
+    for key in keys:
+        try:
+            items.append(_read(store, key, li))
+        except _ReadError:
+            errors += 1
+            items.append(None)
+    return items, errors
+
+
 def _nbytes(items: Sequence[StoredLayer | None]) -> int:
     return sum(x.nbytes for x in items if x is not None)
 
@@ -73,13 +93,8 @@ class SequentialLoader:
         if li not in self.layers:
             raise IndexError(f"layer {li} outside {self.layers}")
         t0 = time.perf_counter()
-        out = []
-        for key in self.keys:
-            try:
-                out.append(_read(self.store, key, li))
-            except _ReadError:
-                self.errors += 1
-                out.append(None)
+        out, errors = _read_layer(self.store, self.keys, li)
+        self.errors += errors
         self.io_seconds += time.perf_counter() - t0
         self.peak_bytes = max(self.peak_bytes, _nbytes(out))
         return out
@@ -183,16 +198,9 @@ class LayerLoader:
                     reserved = est
                     self.bytes_in_flight += reserved
                     self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
-                items = []
                 t0 = time.perf_counter()
-                for key in self.keys:
-                    if self._stop:
-                        break
-                    try:
-                        items.append(_read(self.store, key, li))
-                    except _ReadError:
-                        self.errors += 1
-                        items.append(None)
+                items, errors = ([], 0) if self._stop else _read_layer(self.store, self.keys, li)
+                self.errors += errors
                 self.io_seconds += time.perf_counter() - t0
                 items += [None] * (len(self.keys) - len(items))
                 nbytes = _nbytes(items)

@@ -146,6 +146,11 @@ class KVStore(ABC):
             self._corrupt(key, e)
             return None
 
+    def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
+        """Layer i of several entries (the layer-streamed read path); backends that can batch the
+        reads into one round trip override it. Same miss/corruption semantics as ``get_layer``."""
+        return [self.get_layer(k, i) for k in keys]
+
     def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
         r = self._get_full(key)
         return None if r is None else (r[1].meta, r[3])

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ragkv.store.base import KVStore, Loaded, log, wants_all
-from ragkv.store.entry import EncodedEntry, Layout, decode_header, header_nbytes
+from ragkv.store.entry import EncodedEntry, Layout, StoredLayer, decode_header, decode_layer, header_nbytes
 from ragkv.store.errors import CorruptEntry, StoreError
 
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
@@ -155,6 +155,40 @@ class RedisStore(KVStore):
         if any(b is None for b in blobs):
             raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
         return header, layout, blobs
+
+    def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
+        """Layer i of every key in one MULTI round trip (header + blob per key)."""
+
+        def fetch():
+            pipe = self.client.pipeline(transaction=not self.cluster)
+            for key in keys:
+                pipe.get(self._hkey(key))
+                pipe.get(self._bkey(key, i))
+            return pipe.execute()
+
+        try:
+            res = self._call(fetch)
+        except StoreError as e:
+            for key in keys:
+                self._read_failed(key, e)
+            return [None] * len(keys)
+        out: list[StoredLayer | None] = []
+        for j, key in enumerate(keys):
+            header, blob = res[2 * j], res[2 * j + 1]
+            if header is None:
+                self._count("misses")
+                out.append(None)
+                continue
+            try:
+                _, layout = decode_header(header, key)
+                if blob is None:
+                    raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
+                out.append(decode_layer(layout, i, blob, verify=self.verify_reads))
+                self._count("hits")
+            except CorruptEntry as e:
+                self._corrupt(key, e)
+                out.append(None)
+        return out
 
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
         def write():

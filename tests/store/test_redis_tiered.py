@@ -152,3 +152,37 @@ def test_uri_forms(tmp_path):
     assert d.max_bytes == 1 << 30 and not d.fsync
     r = open_store("rediss://:secret@example.invalid:6380/2?ttl=60&namespace=a:")
     assert r.ttl == 60 and "secret" not in r.uri and r.client.connection_pool.connection_kwargs["db"] == 2
+
+
+@pytest.mark.redis
+def test_redis_get_layers_batches_and_keeps_miss_and_corruption_semantics(redis_store):
+    entries = [make_entry(seed=s) for s in (1, 2, 3)]
+    for meta, layers in entries[:2]:
+        redis_store.put(meta, layers)
+    keys = [m.key for m, _ in entries]
+    got = redis_store.get_layers(keys, 1)
+    for (_meta, layers), g in zip(entries[:2], got[:2]):
+        assert torch.equal(g.k, layers[1][0]) and torch.equal(g.v, layers[1][1])
+    assert got[2] is None  # never stored: a miss
+    # a flipped byte in one entry's layer blob: a miss for that entry only, counted and removed
+    bkey = redis_store._bkey(keys[0], 1)
+    blob = bytearray(redis_store.client.get(bkey))
+    blob[100] ^= 0x10
+    redis_store.client.set(bkey, bytes(blob))
+    got = redis_store.get_layers(keys, 1)
+    assert got[0] is None and got[1] is not None
+    assert redis_store.stats()["corruptions"] == 1 and not redis_store.contains(keys[0])
+
+
+@pytest.mark.redis
+def test_redis_get_layers_on_a_dead_server_is_all_misses():
+    from ragkv.store.redis_store import RedisStore
+
+    srv = RedisServer().start()
+    store = RedisStore(srv.url, namespace="dead:", socket_timeout=1.0)
+    meta, layers = make_entry()
+    store.put(meta, layers)
+    srv.stop()
+    assert store.get_layers([meta.key, meta.key + "x"], 0) == [None, None]
+    assert store.stats()["errors"] >= 2
+    store.close()
