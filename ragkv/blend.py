@@ -249,7 +249,8 @@ class BlendEngine:
     def prefix_key(self, ids: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, ids, PREFIX_POLICY, self.namespace)
 
-    def _meta(self, key: str, ids: Sequence[int], start: int, policy: str) -> EntryMeta:
+    def entry_meta(self, key: str, ids: Sequence[int], start: int, policy: str) -> EntryMeta:
+        """The metadata of an entry this engine writes (model shape, dtypes, fingerprint, policy)."""
         a = self.adapter
         storage = self.config.storage_dtype or self.model_dtype
         return EntryMeta(
@@ -278,7 +279,7 @@ class BlendEngine:
             for seg, kv in zip(group, kvs):
                 seg.layers, seg.stored_start = kv, start
                 try:
-                    self.store.put(self._meta(seg.key, seg.ids, start, policy), kv)
+                    self.store.put(self.entry_meta(seg.key, seg.ids, start, policy), kv)
                 except StoreError as e:  # a failed write-back (store down or full) must not fail the request
                     logging.getLogger("ragkv.blend").warning("write-back of %s failed: %s", seg.key, e)
 

@@ -229,7 +229,7 @@ class _Writer:
             batch, kvs = item
             for c, kv in zip(batch, kvs):
                 try:
-                    enc = encode(eng._meta(c.key, c.ids, start, eng.policy_id), kv)
+                    enc = encode(eng.entry_meta(c.key, c.ids, start, eng.policy_id), kv)
                     wrote = eng.store.put_encoded(c.key, enc)
                     if not wrote and not eng.store.contains(c.key):  # e.g. every tier failed (logged)
                         raise RuntimeError("the store took nothing (see its log)")
@@ -292,7 +292,7 @@ def precompute(
     if engine is None:
         cfg = BlendConfig(storage_dtype=storage_dtype, quant_axis=quant_axis)
         engine = BlendEngine(model, tokenizer, store, config=cfg, policy=policy, namespace=namespace)
-        engine._meta(KEY_PREFIX + "0" * 64, [0], 0, engine.policy_id)  # bad dtype/axis: fail before work
+        engine.entry_meta(KEY_PREFIX + "0" * 64, [0], 0, engine.policy_id)  # bad dtype/axis: fail before work
     summary = PrecomputeSummary(shard=None if shard_t is None else f"{shard_t[0]}/{shard_t[1]}")
     docs = read_documents(paths_or_texts, summary)
 

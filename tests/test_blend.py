@@ -116,7 +116,7 @@ def _store_exact_caches(eng: BlendEngine, model, prompt: Prompt) -> None:
     for key, ids, start, policy in pieces:
         layers = [(lay.keys[0, :, start : start + len(ids)].clone(), lay.values[0, :, start : start + len(ids)].clone())
                   for lay in cache.layers]
-        assert eng.store.put(eng._meta(key, ids, start, policy), layers)
+        assert eng.store.put(eng.entry_meta(key, ids, start, policy), layers)
 
 
 def _bottom_right_mask(q_pos, total, dtype):
