@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from blend_testlib import TEMPLATE, SlowStore, make_prompt
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -15,10 +16,9 @@ from ragkv.adapter import ModelAdapter, UnsupportedModelError
 from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.kernels import dispatch as ops
 from ragkv.policy import prefill_kv
-from ragkv.prompt import Prompt, PromptTemplate
+from ragkv.prompt import Prompt
 from ragkv.store.memory import MemoryStore
 
-TEMPLATE = PromptTemplate(None, prefix_ids=[1, 5, 6, 9], tail_ids=[7, 8])
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
@@ -26,12 +26,6 @@ ROPES = {
                "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512},
 }
-
-
-def make_prompt(seed: int = 0, sizes=(13, 29, 7), suffix=(40, 41, 42, 7, 8)) -> Prompt:
-    g = torch.Generator().manual_seed(seed)
-    chunks = [torch.randint(10, 500, (n,), generator=g).tolist() for n in sizes]
-    return Prompt(list(TEMPLATE.prefix_ids), chunks, list(suffix))
 
 
 def full_logits(model, prompt: Prompt) -> torch.Tensor:
@@ -381,22 +375,6 @@ def test_default_policy_gap_follows_the_context_and_long_chunks_are_refused():
     assert eng.check_layers == [1]  # (1, 3, 6) cut to a 4-layer model
 
 
-class _SlowStore:
-    """A store whose layer reads take ``delay`` seconds each (a slow tier)."""
-
-    def __init__(self, inner, delay):
-        self.inner, self.delay = inner, delay
-
-    def get_layer(self, key, i):
-        import time
-
-        time.sleep(self.delay)
-        return self.inner.get_layer(key, i)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 def test_auto_ratio_recomputes_what_the_load_hides_never_below_the_floor():
     from ragkv.controller import LayerCost, RatioController
 
@@ -415,7 +393,7 @@ def test_auto_ratio_recomputes_what_the_load_hides_never_below_the_floor():
     eng.prefill_prompt(prompt)
     fast = eng.prefill_prompt(prompt, ratio="auto")
     assert fast.stats.ratio == 0.15 and fast.stats.recomputed_tokens == math.ceil(0.15 * 180)
-    slow = BlendEngine(model, None, _SlowStore(store, 0.05), template=TEMPLATE).prefill_prompt(prompt, ratio="auto")
+    slow = BlendEngine(model, None, SlowStore(store, 0.05), template=TEMPLATE).prefill_prompt(prompt, ratio="auto")
     assert slow.stats.ratio > 0.5 and slow.stats.hits == 3
     with pytest.raises(ValueError, match="'auto'"):
         eng.prefill_prompt(prompt, ratio="fast")

@@ -3,30 +3,22 @@ prefetch stays within its byte bound, and the loader thread never outlives a req
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import pytest
 import torch
+from blend_testlib import TEMPLATE, SlowStore, make_prompt
 from redis_server import start_or_skip
 
 from ragkv import models
 from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.loader import LayerLoader, SequentialLoader
-from ragkv.prompt import Prompt, PromptTemplate
 from ragkv.store.disk import DiskStore
 from ragkv.store.entry import decode_header, header_nbytes
 from ragkv.store.memory import MemoryStore
 
-TEMPLATE = PromptTemplate(None, prefix_ids=[1, 5, 6, 9], tail_ids=[7, 8])
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def make_prompt(seed: int = 0, sizes=(13, 29, 7, 21), suffix=(40, 41, 42, 7, 8)) -> Prompt:
-    g = torch.Generator().manual_seed(seed)
-    chunks = [torch.randint(10, 500, (n,), generator=g).tolist() for n in sizes]
-    return Prompt(list(TEMPLATE.prefix_ids), chunks, list(suffix))
+SIZES = (13, 29, 7, 21)  # four chunks
 
 
 def engine(model, store, pipelined: bool, **cfg) -> BlendEngine:
@@ -69,7 +61,7 @@ def healthy_run(model, prompt, store):
 def test_pipelined_equals_sequential(backend, storage_dtype, tmp_path):
     model = models.tiny_model("llama")
     store = MemoryStore() if backend == "memory" else DiskStore(tmp_path / "kv", fsync=False)
-    prompt = make_prompt(seed=1)
+    prompt = make_prompt(seed=1, sizes=SIZES)
     engine(model, store, False, storage_dtype=storage_dtype).prefill_prompt(prompt)  # fill the store
     seq = engine(model, store, False, storage_dtype=storage_dtype).prefill_prompt(prompt)
     pipe = engine(model, store, True, storage_dtype=storage_dtype).prefill_prompt(prompt)
@@ -92,7 +84,7 @@ def test_pipelined_equals_sequential(backend, storage_dtype, tmp_path):
 @pytest.mark.parametrize("mode", ["raise", "none"])
 def test_failing_layer_is_recomputed(mode):
     model = models.tiny_model("llama")
-    prompt = make_prompt(seed=2)
+    prompt = make_prompt(seed=2, sizes=SIZES)
     store = MemoryStore()
     ref = healthy_run(model, prompt, store)
     bad_key = engine(model, store, True).chunk_key(prompt.chunk_ids[1])
@@ -112,7 +104,7 @@ def _corrupt_layer_on_disk(store: DiskStore, key: str, li: int) -> None:
 
 def test_corrupt_disk_layer_midway_is_recomputed(tmp_path):
     model = models.tiny_model("llama")
-    prompt = make_prompt(seed=3)
+    prompt = make_prompt(seed=3, sizes=SIZES)
     store = DiskStore(tmp_path / "kv", fsync=False)
     ref = healthy_run(model, prompt, store)
     eng = engine(model, store, True)
@@ -156,7 +148,7 @@ def test_redis_dies_mid_request(redis_proc, pipelined):
 
     proc, url = redis_proc
     model = models.tiny_model("llama")
-    prompt = make_prompt(seed=4)
+    prompt = make_prompt(seed=4, sizes=SIZES)
     store = RedisStore(url, namespace="loader-test:", socket_timeout=2.0)
     try:
         ref = healthy_run(model, prompt, store)
@@ -181,15 +173,6 @@ def _filled_store(n_keys: int = 3, n_layers: int = 6):
     keys = [eng.chunk_key(ids) for ids in prompt.chunk_ids]
     layer_bytes = sum(store.get_layer(k, 0).nbytes for k in keys)
     return store, keys, layer_bytes
-
-
-class SlowStore:
-    def __init__(self, inner, delay_s: float):
-        self.inner, self.delay_s = inner, delay_s
-
-    def get_layer(self, key, i):
-        time.sleep(self.delay_s)
-        return self.inner.get_layer(key, i)
 
 
 @pytest.mark.parametrize("budget_layers", [0.5, 1, 2, 3])
@@ -254,7 +237,7 @@ def test_stuck_store_times_out_as_miss():
 
 def test_loader_closed_when_request_raises(monkeypatch):
     model = models.tiny_model("llama")
-    prompt = make_prompt(seed=6)
+    prompt = make_prompt(seed=6, sizes=SIZES)
     eng = engine(model, MemoryStore(), True)
     eng.prefill_prompt(prompt)
     real = eng._fuse_layer
