@@ -162,10 +162,6 @@ class _FusedCache:
         ops.scatter_rows(v, fv, self.active)
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        k = self.keys[layer_idx]
-        return 0 if k is None else k.shape[-2]
-
 
 def _position_attention(original):
     """Wrap an HF attention function: a call carrying ``ragkv_q_pos`` (the absolute positions of the
@@ -267,15 +263,14 @@ class BlendEngine:
 
     def compute_and_store(self, segments: Sequence[_Segment]) -> None:
         """Prefill segments on their own under the policy and write them back to the store."""
-        prefixes = [s for s in segments if not s.chunk]
-        chunks = [s for s in segments if s.chunk]
-        for group, policy in ((prefixes, PREFIX_POLICY), (chunks, self.policy_id)):
+        groups = (
+            ([s for s in segments if not s.chunk], [], 0, PREFIX_POLICY),  # a true prefix, at position 0
+            ([s for s in segments if s.chunk], self.sink_ids, self.policy.gap, self.policy_id),
+        )
+        for group, sink, gap, policy in groups:
             if not group:
                 continue
-            if group is prefixes:
-                kvs, start = prefill_kv(self.model, [], [s.ids for s in group]), 0
-            else:
-                kvs, start = self.prefill_chunks([s.ids for s in group]), self.chunk_start
+            kvs, start = prefill_kv(self.model, sink, [s.ids for s in group], gap=gap), len(sink) + gap
             for seg, kv in zip(group, kvs):
                 seg.layers, seg.stored_start = kv, start
                 try:
