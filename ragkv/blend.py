@@ -258,7 +258,8 @@ class BlendEngine:
 
     def prefill_chunks(self, chunks: Sequence[Sequence[int]], batch_tokens: int = 4096):
         """Per chunk, per layer (K, V) of each chunk prefilled on its own under the precompute policy
-        (stored start position: ``self.chunk_start``). The one place chunks are computed."""
+        (stored start position: ``self.chunk_start``), as ``compute_and_store`` does for misses; the
+        precompute job computes its batches with it, so both paths write the same K/V."""
         return prefill_kv(self.model, self.sink_ids, chunks, batch_tokens, gap=self.policy.gap)
 
     def compute_and_store(self, segments: Sequence[_Segment]) -> None:
