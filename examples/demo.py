@@ -46,12 +46,11 @@ def main() -> None:
             full_first = model(ids, logits_to_keep=1).logits[0, -1].argmax()
             full_ttft = time.perf_counter() - t
         res = engine.prefill_prompt(prompt)
-        new = engine.generate_from(res, max_new_tokens=40)
+        new = engine.adapter.generate(res.input_ids, res.cache, tokenizer, max_new_tokens=40)
         answer = tokenizer.decode(new, skip_special_tokens=True).strip()
         with torch.inference_mode():
-            full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
-                                  temperature=None, top_p=None, top_k=None, pad_token_id=engine.pad_token_id)
-        full_answer = tokenizer.decode(full[0, ids.shape[1]:], skip_special_tokens=True).strip()
+            full = engine.adapter.generate(ids, None, tokenizer, max_new_tokens=40)
+        full_answer = tokenizer.decode(full, skip_special_tokens=True).strip()
         same_answers += int(full_answer == answer)
         speedups.append(full_ttft / res.stats.t_total)
         agree += int(res.logits.argmax() == full_first)

@@ -17,6 +17,7 @@ from pathlib import Path
 from llama_index.core.query_engine import RetrieverQueryEngine
 
 from ragkv import models
+from ragkv.blend import BlendConfig
 from ragkv.integrations.embeddings import MiniLMEmbedding
 from ragkv.integrations.hf import BlendedGenerator
 from ragkv.integrations.llama_index import (
@@ -39,9 +40,9 @@ QUESTIONS = [
 
 def main(store_uri: str) -> None:
     model, tokenizer = models.load("smollm2-135m")
-    gen = BlendedGenerator(model, tokenizer, open_store(store_uri), ratio=0.15)
+    gen = BlendedGenerator(model, tokenizer, open_store(store_uri), BlendConfig(ratio=0.15))
 
-    summary = precompute([DOCS], model, tokenizer, gen.engine.store, chunk_tokens=CHUNK_TOKENS, engine=gen.engine)
+    summary = precompute(gen.engine, paths=[DOCS], chunk_tokens=CHUNK_TOKENS)
     print(f"precompute: {summary.docs} docs, {summary.chunks} chunks, {summary.new} new, "
           f"{summary.skipped} already stored, {summary.seconds:.1f} s")
 

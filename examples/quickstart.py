@@ -17,6 +17,7 @@ from threading import Thread
 from transformers import TextIteratorStreamer
 
 from ragkv import models
+from ragkv.blend import BlendConfig
 from ragkv.chunking import chunk_document
 from ragkv.integrations.hf import BlendedGenerator
 from ragkv.store import open_store
@@ -32,7 +33,7 @@ def show(label: str, out) -> None:
 
 def main(store_uri: str) -> None:
     model, tokenizer = models.load("smollm2-135m")
-    gen = BlendedGenerator(model, tokenizer, open_store(store_uri), ratio=0.15)
+    gen = BlendedGenerator(model, tokenizer, open_store(store_uri), BlendConfig(ratio=0.15))
     contexts = [c for name in ("lighthouse.md", "sourdough.md")
                 for c in chunk_document((DOCS / name).read_text(), gen.engine.template, max_tokens=256)]
     question = "Who designed the Harwick Point Lighthouse?"

@@ -1,13 +1,15 @@
 """HuggingFace ``generate`` with CacheBlend: a drop-in for ``model.generate`` over (question, contexts).
 
-    gen = BlendedGenerator(model, tokenizer, open_store("disk:///tmp/kv"), ratio=0.15)
+    gen = BlendedGenerator(model, tokenizer, open_store("disk:///tmp/kv"), BlendConfig(ratio=0.15))
     out = gen.generate("Who designed it?", [chunk1, chunk2], max_new_tokens=32)
     out.text, out.hits, out.misses, out.reused_tokens, out.recomputed_tokens, out.ttft
 
 Each context is ONE cached chunk (split documents with ``ragkv.chunking.chunk_document`` so the keys
 match the precompute job). Missing chunks are prefilled and written back by the engine, so the next
-call over the same contexts hits. Generate kwargs go to ``model.generate`` unchanged (max_new_tokens,
-do_sample, temperature, top_p, streamer, stopping_criteria, ...); greedy is the default.
+call over the same contexts hits. Generate kwargs go to ``model.generate`` (max_new_tokens, do_sample,
+temperature, top_p, streamer, stopping_criteria, ...): greedy by default, sampling when asked
+(``do_sample=True``, or a sampling parameter such as ``temperature`` without ``do_sample``);
+the caller's values are never overwritten.
 
 Streaming, as HuggingFace documents it (``generate`` in a thread, the streamer consumed here):
 
@@ -23,9 +25,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from ragkv.blend import BlendConfig, BlendEngine, BlendStats
+from ragkv.blend import BlendConfig, BlendEngine, BlendResult, BlendStats
+from ragkv.policy import PrecomputePolicy, StorageFormat
 from ragkv.prompt import Prompt
 
 
@@ -58,28 +59,22 @@ class GenerationResult:
                 "new_tokens": len(self.token_ids)}
 
 
-def _describe(i: int, text: str) -> str:
-    head = text.strip().replace("\n", " ")
-    return f"context {i} ({head[:40]!r}{'...' if len(head) > 40 else ''})"
-
-
-DEFAULT_RATIO = 0.15
-
-
 class BlendedGenerator:
     """``model.generate`` over (question, contexts) with chunk K/V reused from ``store``.
 
-    ratio: fraction of reused chunk tokens recomputed (0 = naive reuse, 1 = full prefill). With a
-    ``config``, its ratio is used; an explicit different ``ratio`` as well is an error.
-    engine_kwargs: ``template``, ``policy`` for the BlendEngine (must match the precompute job's)."""
+    ``config`` (BlendConfig): ratio (fraction of reused chunk tokens recomputed: 0 = naive reuse,
+    1 = full prefill; default 0.15), selector, pipelined loading. ``policy``, ``storage`` and
+    ``namespace`` as in BlendEngine (they must match the precompute job's). A per-call ``ratio``
+    overrides the config's for that call."""
 
-    def __init__(self, model, tokenizer, store, ratio: float = DEFAULT_RATIO, config: BlendConfig | None = None,
-                 namespace: str = "", **engine_kwargs):
-        config = config or BlendConfig(ratio=ratio)
-        if config.ratio != ratio and ratio != DEFAULT_RATIO:
-            raise ValueError(f"ratio={ratio} conflicts with config.ratio={config.ratio}; give one of them")
-        self.engine = BlendEngine(model, tokenizer, store, config=config, namespace=namespace, **engine_kwargs)
-        self.ratio = config.ratio
+    def __init__(self, model, tokenizer, store, config: BlendConfig | None = None, *,
+                 policy: PrecomputePolicy | None = None, storage: StorageFormat | None = None,
+                 namespace: str = "", template=None):
+        if config is not None and not isinstance(config, BlendConfig):
+            raise TypeError(f"config must be a BlendConfig, got {type(config).__name__} "
+                            "(e.g. BlendedGenerator(model, tok, store, BlendConfig(ratio=0.3)))")
+        self.engine = BlendEngine(model, tokenizer, store, config, policy=policy, storage=storage,
+                                  namespace=namespace, template=template)
         self._lock = threading.RLock()  # one blend + generate at a time per model
 
     @property
@@ -91,17 +86,20 @@ class BlendedGenerator:
         return self.engine.tokenizer
 
     @property
-    def max_tokens(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
+    def ratio(self) -> float | str:
+        return self.engine.config.ratio
 
     # ------------------------------------------------------------------ public API
 
     def generate(self, question: str | Sequence[str], contexts: Sequence[str] | Sequence[Sequence[str]],
-                 ratio: float | None = None, **generate_kwargs) -> GenerationResult | list[GenerationResult]:
+                 ratio: float | str | None = None, **generate_kwargs) -> GenerationResult | list[GenerationResult]:
         """One question + its contexts -> GenerationResult; a list of questions + a list of context
         lists -> a list of results (run one after another: each prompt has its own chunk layout)."""
         if isinstance(question, str):
             return self._generate_one(question, contexts, ratio, generate_kwargs)
+        if not isinstance(question, (list, tuple)):
+            raise ValueError(f"question must be a non-empty string (or a list of them for a batch), "
+                             f"got {type(question).__name__}")
         questions = list(question)
         if isinstance(contexts, str) or len(contexts) != len(questions):
             raise ValueError("a batch needs one list of contexts per question "
@@ -112,12 +110,11 @@ class BlendedGenerator:
 
     def prompt(self, question: str, contexts: Sequence[str]) -> Prompt:
         """The prompt layout (ids) a call would use, after validating the inputs."""
-        self._check_contexts(contexts)
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError("the question must be a non-empty string")
-        prompt = self.engine.build_prompt(question, list(contexts))
-        self._check_length(prompt, contexts)
-        return prompt
+        return self.engine.build_prompt(question, contexts)
+
+    def generate_from(self, res: BlendResult, **generate_kwargs):
+        """Generation continuing a blended prompt (``BlendEngine.prefill``) -> new token ids [n]."""
+        return self.engine.adapter.generate(res.input_ids, res.cache, self.tokenizer, **generate_kwargs)
 
     # ------------------------------------------------------------------ internals
 
@@ -126,31 +123,7 @@ class BlendedGenerator:
         with self._lock:
             res = self.engine.prefill_prompt(self.prompt(question, contexts), ratio=ratio)
             ttft = time.perf_counter() - t0
-            new = self.engine.generate_from(res, **generate_kwargs)
-        ids = new.tolist() if isinstance(new, torch.Tensor) else list(new)
+            new = self.generate_from(res, **generate_kwargs)
+        ids = new.tolist()
         text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
         return GenerationResult(text, ids, res.stats, ttft, time.perf_counter() - t0)
-
-    def _check_contexts(self, contexts) -> None:
-        if isinstance(contexts, str):
-            raise TypeError("contexts must be a list of strings (one chunk each), not one string")
-        if contexts is None or len(contexts) == 0:
-            raise ValueError("contexts is empty: give at least one context chunk")
-        for i, c in enumerate(contexts):
-            if not isinstance(c, str):
-                raise TypeError(f"context {i} is a {type(c).__name__}, expected str")
-            if not c.strip():
-                raise ValueError(f"context {i} is empty or whitespace only")
-
-    def _check_length(self, prompt: Prompt, contexts: Sequence[str]) -> None:
-        limit = self.max_tokens
-        if limit is None or prompt.num_tokens <= limit:
-            return
-        lens = [len(ids) for ids in prompt.chunk_ids]
-        worst = max(range(len(lens)), key=lens.__getitem__)
-        what = "is longer than" if lens[worst] > limit else "makes the prompt longer than"
-        raise ValueError(
-            f"{_describe(worst, contexts[worst])} has {lens[worst]} tokens and {what} the model's window "
-            f"({prompt.num_tokens} prompt tokens > max_position_embeddings={limit}); split it with "
-            "ragkv.chunking.chunk_document or pass fewer contexts"
-        )

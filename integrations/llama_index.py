@@ -120,14 +120,8 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
         return await asyncio.to_thread(self._postprocess_nodes, nodes, query_bundle)
 
     def _check_window(self, nodes: list[NodeWithScore], texts: list[str]) -> None:
-        limit = getattr(self._engine.model.config, "max_position_embeddings", None)
-        for n, text in zip(nodes, texts):
-            if limit is None or len(text) <= limit // 2:  # a token is >= 1 char: most nodes skip tokenizing
-                continue
-            n_tok = len(self._engine.template.chunk_ids(text))
-            if n_tok > limit:
-                raise ValueError(f"node {n.node.node_id} has {n_tok} tokens, longer than the model's window "
-                                 f"({limit}); split documents with ragkv.chunking.chunk_document")
+        self._engine.template.chunks(texts, self._engine.adapter.max_positions,
+                                     names=[f"node {n.node.node_id}" for n in nodes])
 
 
 class RagKVLLM(CustomLLM):
@@ -151,34 +145,31 @@ class RagKVLLM(CustomLLM):
         return LLMMetadata(context_window=getattr(cfg, "max_position_embeddings", 2048),
                            num_output=self.max_new_tokens, model_name=getattr(cfg, "_name_or_path", "") or "ragkv")
 
-    def _inputs(self, prompt: str, kwargs: dict) -> tuple[dict, dict]:
+    def _ids(self, prompt: str):
         tok, model = self._generator.tokenizer, self._generator.model
         if getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"]
         else:
             ids = tok(prompt, return_tensors="pt")["input_ids"]
-        ids = ids.to(model.device)
-        kw = {"max_new_tokens": self.max_new_tokens, "do_sample": False, **kwargs}
-        if not kw["do_sample"]:
-            kw.update(temperature=None, top_p=None, top_k=None)
-        return {"input_ids": ids, "attention_mask": ids.new_ones(ids.shape),
-                "pad_token_id": self._generator.engine.pad_token_id}, kw
+        return ids.to(model.device)
+
+    def _generate(self, ids, kwargs: dict):
+        gen = self._generator
+        return gen.engine.adapter.generate(ids, None, gen.tokenizer, **{"max_new_tokens": self.max_new_tokens,
+                                                                         **kwargs})
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        inputs, kw = self._inputs(prompt, kwargs)
-        out = self._generator.model.generate(**inputs, **kw)
-        text = self._generator.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        return CompletionResponse(text=text.strip())
+        new = self._generate(self._ids(prompt), kwargs)
+        return CompletionResponse(text=self._generator.tokenizer.decode(new, skip_special_tokens=True).strip())
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         from transformers import TextIteratorStreamer
 
-        inputs, kw = self._inputs(prompt, kwargs)
         streamer = TextIteratorStreamer(self._generator.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        Thread(target=self._generator.model.generate, kwargs={**inputs, **kw, "streamer": streamer},
+        Thread(target=self._generate, args=(self._ids(prompt), {**kwargs, "streamer": streamer}),
                daemon=True).start()
 
         def gen() -> CompletionResponseGen:

@@ -1,29 +1,89 @@
-"""What the blend engine needs from a HuggingFace decoder-only model, found by structure, with every
-capability the engine relies on checked up front.
+"""The one seam between ragkv and transformers: what the engine needs from an HF model, found by
+structure, with every capability it relies on checked up front.
 
-The engine drives the model's *own* modules (embedding, decoder layers with their attention
-implementation, final norm, LM head); it never re-implements attention per model family. It does rely on:
-  - the Llama-family layout: ``model.model.{embed_tokens, layers, norm, rotary_emb}`` + ``model.lm_head``
-    (Llama, Mistral, Qwen2, Qwen3, Phi-3-style models with RoPE share it);
+Every use of transformers internals goes through this module, so a transformers upgrade touches one
+file: the model layout (``model.model.{embed_tokens, layers, norm, rotary_emb}`` + ``lm_head``),
+direct decoder-layer calls, the cache duck type those layers write into, the name of the forward's
+cache argument (``cache=`` from 5.24, ``past_key_values=`` before), attention routing,
+``DynamicCache`` internals for the handoff, and ``generate``.
+
+Relied on, and refused with ``UnsupportedModelError`` naming the reason otherwise:
+  - the Llama-family layout above (Llama, Mistral, Qwen2, Qwen3, Phi-3-style models with RoPE);
   - decoder layers that call ``cache.update(k, v, layer_idx, ...)`` and use the 4-D additive mask they get;
   - a RoPE whose rotation depends on position only, so a cached key moves to a new position by a pure
     rotation: default, linear, llama3, yarn (attention scaling already inside the stored key).
-Anything else is refused with ``UnsupportedModelError`` naming the reason, never run silently wrong.
+
+Attention routing never writes into transformers' own registry entries: ragkv's attention function
+is registered under its own name (``ragkv+<impl>``) and the model's config points at it only for
+the duration of one ragkv layer call (``run_layer(..., attention=fn)``); calls that do not carry
+ragkv's keyword arguments fall through to the implementation registered under ``<impl>`` *now*,
+so a user's later ``AttentionInterface.register("sdpa", f)`` is honoured.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+import sys
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 # rotation depends on position only -> exact re-rotation; the others depend on sequence length
 # (dynamic NTK, longrope's short/long switch) or are not rotations of the full key we can shift.
 SHIFTABLE_ROPE = {"default", "linear", "llama3", "yarn"}
+IS_CAUSAL_IMPLS = ("sdpa", "flash_attention_2", "flash_attention_3")
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "typical_p")
 
 
 class UnsupportedModelError(ValueError):
     """The model cannot be blended exactly (architecture, positional scheme or attention pattern)."""
+
+
+class _CacheShim:
+    """The cache duck type transformers' attention modules call (``update(k, v, layer_idx, ...)``),
+    forwarding to ragkv's side of it: ``target.update(layer_idx, k, v) -> (K, V)`` to attend over."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.target.update(layer_idx, key_states, value_states)
+
+
+_routers: set[str] = set()
+_routers_lock = threading.Lock()
+
+
+def _register_router(impl: str) -> str:
+    """Register (once) the attention function ``ragkv+<impl>`` and its mask function; return its name."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    name = f"ragkv+{impl}"
+    with _routers_lock:
+        if name in _routers:
+            return name
+
+        def router(module, query, key, value, attention_mask, **kwargs):
+            fn = kwargs.pop("ragkv_attention", None)
+            if fn is not None:
+                return fn(module, query, key, value, attention_mask, **kwargs)
+            # looked up now, so user overrides win; eager lives in the model's own file
+            own = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None) if impl != "eager" else None
+            if own is None:
+                own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if own is None:
+                raise RuntimeError(f"attention implementation {impl!r} is not registered")
+            return own(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(name, router)
+        if impl in ALL_MASK_ATTENTION_FUNCTIONS:  # a concurrent model call builds its mask under this name
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+        _routers.add(name)
+    return name
 
 
 @dataclass
@@ -36,10 +96,8 @@ class ModelAdapter:
     rope_type: str
     inv_freq: torch.Tensor  # [head_dim // 2] fp32, exactly the buffer the model rotates with
     sliding_window: int | None
-
-    @property
-    def body(self):
-        return self.model.model
+    cache_kw: str = "cache"  # the forward/generate argument that takes a Cache
+    _routes: dict = field(default_factory=dict, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -48,6 +106,16 @@ class ModelAdapter:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def attn_implementation(self) -> str:
+        return getattr(self.model.config, "_attn_implementation", None) or "eager"
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    # ------------------------------------------------------------------ construction
 
     @classmethod
     def of(cls, model) -> ModelAdapter:
@@ -103,6 +171,7 @@ class ModelAdapter:
         window = getattr(cfg, "sliding_window", None)
         if getattr(cfg, "use_sliding_window", True) is False:
             window = None
+        params = inspect.signature(body.layers[0].forward).parameters
         return cls(
             model=model,
             num_layers=cfg.num_hidden_layers,
@@ -112,15 +181,127 @@ class ModelAdapter:
             rope_type=rope_type,
             inv_freq=inv_freq,
             sliding_window=window,
+            cache_kw="cache" if "cache" in params else "past_key_values",
         )
 
     def check_length(self, total_tokens: int) -> None:
-        """Refuse prompts whose attention a sliding window would cut: fused K/V assume full attention."""
+        """Refuse prompts longer than the model's context, or than a sliding window would let every
+        token see (fused K/V assume full attention)."""
         if self.sliding_window is not None and total_tokens > self.sliding_window:
             raise UnsupportedModelError(
                 f"prompt of {total_tokens} tokens exceeds the model's sliding window ({self.sliding_window}); "
                 "blending assumes every token sees the whole context"
             )
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = self.max_positions
         if limit is not None and total_tokens > limit:
             raise ValueError(f"prompt of {total_tokens} tokens exceeds the model's context ({limit} tokens)")
+
+    # ------------------------------------------------------------------ the blend's layer calls
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[1, n] token ids -> [1, n, hidden]."""
+        return self.model.model.embed_tokens(input_ids)
+
+    def run_layer(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, cache,
+                  attention_mask: torch.Tensor | None = None, attention: Callable | None = None,
+                  **attention_kwargs) -> torch.Tensor:
+        """Decoder layer ``li`` on ``hidden`` [1, n, hidden] at absolute ``positions`` [n]. ``cache``
+        is ragkv's side of the cache contract: ``cache.update(li, k, v)`` receives the fresh K/V of the
+        n rows and returns the K/V to attend over. ``attention``: an HF-signature attention function
+        used for this call only (with ``attention_kwargs`` passed to it); None = the model's own, with
+        ``attention_mask`` (None = causal over the n rows, the implementation's is_causal path)."""
+        body = self.model.model
+        pos = positions[None]
+        kwargs = {self.cache_kw: _CacheShim(cache), "use_cache": True, **attention_kwargs}
+        with self._routed(attention, kwargs):
+            return body.layers[li](hidden, attention_mask=attention_mask, position_ids=pos,
+                                   position_embeddings=body.rotary_emb(hidden, pos), **kwargs)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [vocab] fp32 of the last row of ``hidden`` [1, n, hidden]."""
+        return self.model.lm_head(self.model.model.norm(hidden[:, -1:]))[0, -1].float()
+
+    @contextmanager
+    def _routed(self, fn: Callable | None, kwargs: dict):
+        """Point the model's attention at ragkv's router (``ragkv+<impl>``) for one call; the router
+        hands calls carrying ``ragkv_attention=fn`` to fn and every other call to ``<impl>``."""
+        if fn is None:
+            yield
+            return
+        cfg, impl = self.model.config, self.attn_implementation
+        kwargs["ragkv_attention"] = fn
+        cfg._attn_implementation = _register_router(impl)
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = impl
+
+    # ------------------------------------------------------------------ whole-model calls
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None,
+                logits_to_keep: int = 0):
+        """The model's own forward -> (logits [B, n or logits_to_keep, vocab], cache)."""
+        out = self.model(input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep, use_cache=True,
+                         **{self.cache_kw: cache if cache is not None else self.new_cache()})
+        return out.logits, getattr(out, "cache", None) or out.past_key_values
+
+    def prefill_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """The body's forward over a batch; -> the per-layer (K, V) [B, kv_heads, n, head_dim] it cached."""
+        cache = self.new_cache()
+        self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **{self.cache_kw: cache})
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def cache_from(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """A DynamicCache whose layers hold these [1, kv_heads, n, head_dim] tensors as they are (views,
+        no copy): generation's first update concatenates onto them as usual."""
+        dc = self.new_cache()
+        for layer, k, v in zip(dc.layers, keys, values):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        return dc
+
+    @staticmethod
+    def truncate(cache, length: int) -> None:
+        """Drop every position of a DynamicCache from ``length`` on (e.g. what generate appended)."""
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
+
+    def generate(self, input_ids: torch.Tensor, cache=None, tokenizer=None, **kwargs) -> torch.Tensor:
+        """``model.generate`` continuing ``cache`` (the prompt minus its last token) -> new token ids.
+        Greedy unless the caller asks to sample; ``generation_kwargs`` says exactly what changes."""
+        kwargs = generation_kwargs(self.model, tokenizer, **kwargs)
+        if cache is not None:
+            kwargs[self.cache_kw] = cache
+        out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        return out[0, input_ids.shape[1]:]
+
+
+def pad_token_id(model, tokenizer=None) -> int | None:
+    """The pad id generate should use: the tokenizer's, else the (first) EOS id."""
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if pad is None:
+        eos = model.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+    return pad
+
+
+def generation_kwargs(model, tokenizer=None, **kwargs) -> dict:
+    """The caller's generate kwargs with ragkv's defaults: 64 new tokens, and greedy unless asked to
+    sample. ``do_sample`` omitted: sampling when the caller set a sampling parameter (temperature,
+    top_p, top_k, min_p, typical_p), else greedy with the model's sampling defaults cleared so
+    generate does not warn about them. The caller's values are never overwritten."""
+    kwargs.setdefault("max_new_tokens", 64)
+    if "do_sample" not in kwargs:
+        kwargs["do_sample"] = any(kwargs.get(k) is not None for k in _SAMPLING)
+    if not kwargs["do_sample"]:
+        for k in ("temperature", "top_p", "top_k"):
+            kwargs.setdefault(k, None)
+    if kwargs.get("pad_token_id") is None:
+        kwargs["pad_token_id"] = pad_token_id(model, tokenizer)
+    return kwargs

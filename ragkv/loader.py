@@ -9,12 +9,15 @@ Who calls what
 - ``BlendEngine.prefill_prompt`` creates one loader per request over the keys of the segments that
   come from the store and the layers it will read (``range(first_load, num_layers)``), and uses it
   as a context manager (``with loader:``), so ``close()`` runs on every exit, exceptions included.
-- The layer loop calls ``loader.layer(li)`` once per layer, in increasing order; it returns one
-  ``StoredLayer | None`` per key (in ``keys`` order). None = a miss for that key at that layer:
-  the store raised, returned None (corrupt / vanished entry, Redis down), or the layer did not
-  arrive within ``timeout_s``. The caller recomputes that segment (never a hang, never a raise).
+- The layer loop calls ``loader.layer(li)`` at most once per layer, in increasing order (it may
+  skip layers); it returns one ``StoredLayer | Miss`` per key (in ``keys`` order). A ``Miss`` says
+  why that key has no layer li: ``absent`` (vanished since the lookup), ``corrupt``/``unsupported``
+  (the store's verdict), ``error`` (the store raised or is unreachable) or ``timeout`` (not read
+  within ``timeout_s``). The caller recomputes that segment (never a hang, never a raise).
+- ``timed_out``: True once a layer did not arrive in time; the store is then considered stuck for
+  the rest of the request (every later layer is a timeout miss, and the caller skips write-back).
 - ``loader.bytes_in_flight`` / ``peak_bytes``: bytes read but not yet taken by ``layer()``;
-  ``io_seconds``: time spent inside ``store.get_layer``; ``errors``: exceptions caught.
+  ``io_seconds``: time spent inside store reads.
 
 Thread lifecycle (``LayerLoader``)
 ----------------------------------
@@ -22,7 +25,8 @@ Thread lifecycle (``LayerLoader``)
 layers are ready and untaken AND the layer fits in ``max_bytes`` (its size is predicted from the
 layers already read: all layers of an entry have the same shape; a layer larger than the bound is read
 only when nothing else is in flight, i.e. alone), reads every key, publishes the layer and wakes
-the caller. ``layer(li)`` takes layer li (and drops any earlier layer never asked for), releasing
+the caller. ``layer(li)`` first drops every earlier layer never asked for (so skipping layers never
+fills the prefetch window) and tells the thread not to read them, then takes layer li, releasing
 its bytes. ``close()`` sets a stop flag, wakes the thread and joins it (a thread stuck inside a
 store call is abandoned after ``join_timeout_s``; it is a daemon and holds nothing the caller
 needs). After ``close()`` or a timeout, ``layer()`` answers misses without waiting.
@@ -37,46 +41,52 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ragkv.store.entry import StoredLayer
 
 log = logging.getLogger("ragkv.loader")
 
 
-def _read(store, key: str, li: int) -> StoredLayer | None:
-    try:
-        return store.get_layer(key, li)
-    except Exception as e:  # any store failure is a miss for this key and layer
-        log.warning("get_layer(%s, %d) raised %s: %s", key, li, type(e).__name__, e)
-        raise _ReadError from e
+@dataclass(frozen=True)
+class Miss:
+    """No layer for this key: ``reason`` is absent | corrupt | unsupported | error | timeout."""
+
+    reason: str
 
 
-class _ReadError(Exception):
-    pass
+_ERROR, _ABSENT, _TIMEOUT = Miss("error"), Miss("absent"), Miss("timeout")
 
 
-def _read_layer(store, keys: Sequence[str], li: int) -> tuple[list[StoredLayer | None], int]:
-    """Layer li of every key, with one batched store call (``get_layers``: one Redis round trip) when
-    the store has it; a failure of the batch falls back to reading key by key. -> (items, errors)."""
+def _read_layer(store, keys: Sequence[str], li: int) -> list[StoredLayer | Miss]:
+    """Layer li of every key, with one batched store call (``fetch_layers``: one Redis round trip,
+    misses with their reason) when the store class has it, else key by key with ``get_layer``. A
+    failing batch falls back to key by key; an exception for one key is an ``error`` miss."""
     # looked up on the class: a wrapper that delegates unknown attributes must not bypass its get_layer
-    batched = getattr(type(store), "get_layers", None)
-    if batched is not None and len(keys) > 1:
+    batched = getattr(type(store), "fetch_layers", None)
+    if batched is not None:
         try:
-            return list(batched(store, keys, li)), 0
+            return [x if isinstance(x, StoredLayer) else Miss(getattr(x, "reason", "absent"))
+                    for x in batched(store, keys, li)]
+        except IndexError:
+            raise  # a caller's bad layer index is a bug, not a miss
         except Exception as e:  # any store failure: retry key by key, each failure a miss
-            log.warning("get_layers(%d keys, %d) raised %s: %s", len(keys), li, type(e).__name__, e)
-    items, errors = [], 0
+            log.warning("fetch_layers(%d keys, %d) raised %s: %s", len(keys), li, type(e).__name__, e)
+    items: list[StoredLayer | Miss] = []
     for key in keys:
         try:
-            items.append(_read(store, key, li))
-        except _ReadError:
-            errors += 1
-            items.append(None)
-    return items, errors
+            got = store.get_layer(key, li)
+        except IndexError:
+            raise
+        except Exception as e:  # any store failure is a miss for this key and layer
+            log.warning("get_layer(%s, %d) raised %s: %s", key, li, type(e).__name__, e)
+            got = _ERROR
+        items.append(got if got is not None else _ABSENT)
+    return items
 
 
-def _nbytes(items: Sequence[StoredLayer | None]) -> int:
-    return sum(x.nbytes for x in items if x is not None)
+def _nbytes(items: Sequence[StoredLayer | Miss]) -> int:
+    return sum(x.nbytes for x in items if isinstance(x, StoredLayer))
 
 
 class SequentialLoader:
@@ -87,14 +97,13 @@ class SequentialLoader:
         self.peak_bytes = 0
         self.bytes_in_flight = 0
         self.io_seconds = 0.0
-        self.errors = 0
+        self.timed_out = False
 
-    def layer(self, li: int) -> list[StoredLayer | None]:
+    def layer(self, li: int) -> list[StoredLayer | Miss]:
         if li not in self.layers:
             raise IndexError(f"layer {li} outside {self.layers}")
         t0 = time.perf_counter()
-        out, errors = _read_layer(self.store, self.keys, li)
-        self.errors += errors
+        out = _read_layer(self.store, self.keys, li)
         self.io_seconds += time.perf_counter() - t0
         self.peak_bytes = max(self.peak_bytes, _nbytes(out))
         return out
@@ -124,7 +133,7 @@ class LayerLoader:
         self.peak_bytes = 0
         self.bytes_in_flight = 0  # read (or reserved for the layer being read), not yet taken
         self.io_seconds = 0.0
-        self.errors = 0
+        self.timed_out = False
         self._ready: dict[int, tuple[list, int]] = {}  # li -> (items, nbytes)
         self._done_upto = layers.start  # every layer < this was published (or abandoned)
         self._taken_upto = layers.start  # every layer < this was taken by the caller
@@ -135,24 +144,26 @@ class LayerLoader:
 
     # ---- caller side ----------------------------------------------------------------------
 
-    def layer(self, li: int) -> list[StoredLayer | None]:
-        """Block until layer li is read (at most ``timeout_s``); one item per key, None = miss."""
+    def layer(self, li: int) -> list[StoredLayer | Miss]:
+        """Block until layer li is read (at most ``timeout_s``); one item per key."""
         if li not in self.layers:
             raise IndexError(f"layer {li} outside {self.layers}")
-        miss = [None] * len(self.keys)
         deadline = time.monotonic() + self.timeout_s
         with self._cv:
+            for old in [j for j in self._ready if j < li]:  # layers the caller skipped: free the window
+                self.bytes_in_flight -= self._ready.pop(old)[1]
+            self._taken_upto = max(self._taken_upto, li)  # ... and the thread skips those not read yet
+            self._cv.notify_all()
             while li not in self._ready and not self._stop and li >= self._done_upto:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("layer %d not loaded within %.1f s: treated as a miss", li, self.timeout_s)
-                    self._stop = True  # a stuck store: stop waiting on it for the rest of the request
+                    self._stop = self.timed_out = True  # a stuck store: stop waiting on it for this request
                     break
                 self._cv.wait(left)
-            for old in [j for j in self._ready if j < li]:  # layers the caller skipped
-                self.bytes_in_flight -= self._ready.pop(old)[1]
             self._taken_upto = max(self._taken_upto, li + 1)
-            items, nbytes = self._ready.pop(li, (miss, 0))
+            miss = _TIMEOUT if self.timed_out else _ERROR
+            items, nbytes = self._ready.pop(li, ([miss] * len(self.keys), 0))
             self.bytes_in_flight -= nbytes
             self._cv.notify_all()
         return items
@@ -199,13 +210,12 @@ class LayerLoader:
                     self.bytes_in_flight += reserved
                     self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
                 t0 = time.perf_counter()
-                items, errors = ([], 0) if self._stop else _read_layer(self.store, self.keys, li)
-                self.errors += errors
+                items = [] if self._stop else _read_layer(self.store, self.keys, li)
                 self.io_seconds += time.perf_counter() - t0
-                items += [None] * (len(self.keys) - len(items))
+                items += [_ERROR] * (len(self.keys) - len(items))
                 nbytes = _nbytes(items)
                 for key, x in zip(self.keys, items):
-                    if x is not None:
+                    if isinstance(x, StoredLayer):
                         sizes[key] = max(sizes.get(key, 0), x.nbytes)
                 if sizes:  # a key never read yet is predicted at the largest size seen
                     est = sum(sizes.get(k, max(sizes.values())) for k in self.keys)

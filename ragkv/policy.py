@@ -81,6 +81,46 @@ class PrecomputePolicy:
         return len(self.sink_ids(template)) + self.gap
 
 
+@dataclass(frozen=True)
+class StorageFormat:
+    """How entries are encoded (not part of their key): ``dtype`` None = the model's dtype, or one of
+    float32/float16/bfloat16/int8; ``quant_axis`` (int8 only) token | channel | auto (K per channel,
+    V per token; the default for int8)."""
+
+    dtype: str | None = None
+    quant_axis: str | None = None
+
+    def __post_init__(self):
+        from ragkv.store.entry import QUANT_AXES, STORAGE_DTYPES
+
+        if self.dtype is not None and self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage dtype {self.dtype!r}: valid are {', '.join(STORAGE_DTYPES)}")
+        if self.quant_axis is not None:
+            if self.dtype != "int8":
+                raise ValueError("quant_axis is only meaningful with storage dtype int8")
+            if self.quant_axis not in QUANT_AXES:
+                raise ValueError(f"quant_axis {self.quant_axis!r}: valid are {', '.join(QUANT_AXES)}")
+
+    def resolve(self, model_dtype: str) -> tuple[str, str | None]:
+        """(storage dtype, quant axis) of an entry of a model in ``model_dtype``."""
+        dtype = self.dtype or model_dtype
+        return dtype, ((self.quant_axis or "auto") if dtype == "int8" else None)
+
+
+def batches(lengths: Sequence[int], sink_len: int, batch_tokens: int) -> list[list[int]]:
+    """Indices of chunks grouped for one forward each: longest first (similar lengths batch together,
+    little padding), each group within ``batch_tokens`` padded tokens (sink included)."""
+    if batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out, i = [], 0
+    while i < len(order):
+        n = max(1, batch_tokens // (sink_len + lengths[order[i]]))
+        out.append(order[i : i + n])
+        i += n
+    return out
+
+
 @torch.inference_mode()
 def prefill_kv(
     model, sink_ids: Sequence[int], chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, gap: int = 0
@@ -88,41 +128,28 @@ def prefill_kv(
     """Prefill every chunk behind ``sink_ids``; return per chunk, per layer (K, V), each
     ``[kv_heads, len(chunk), head_dim]`` (keys rotated at positions len(sink) + gap + i).
 
-    Chunks are batched (right-padded: with a causal mask, padding at the end never reaches a real
-    token, so no attention mask is needed) up to ``batch_tokens`` padded tokens per forward.
+    Chunks are batched (``batches``; right-padded: with a causal mask, padding at the end never
+    reaches a real token, so no attention mask is needed), one forward per batch.
     """
-    from transformers import DynamicCache
-
     adapter = ModelAdapter.of(model)
     s = len(sink_ids)
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = adapter.max_positions
     longest = max(map(len, chunks), default=0)
     if limit is not None and s + gap + longest > limit:
         raise ValueError(
             f"a chunk of {longest} tokens behind a {s}-token sink and a gap of {gap} exceeds the model's "
             f"{limit} positions; use shorter chunks or a smaller PrecomputePolicy gap"
         )
-    order = sorted(range(len(chunks)), key=lambda i: -len(chunks[i]))  # similar lengths batch together
     out: list = [None] * len(chunks)
-    i = 0
-    while i < len(order):
-        width = s + len(chunks[order[i]])
-        n = max(1, batch_tokens // width)
-        group = order[i : i + n]
-        i += n
-        ids = torch.full((len(group), width), 0, dtype=torch.long)
+    for group in batches([len(c) for c in chunks], s, batch_tokens):
+        width = s + len(chunks[group[0]])
+        ids = torch.zeros((len(group), width), dtype=torch.long)
         for row, ci in enumerate(group):
-            seq = [*sink_ids, *chunks[ci]]
-            ids[row, : len(seq)] = torch.tensor(seq)
-        cache = DynamicCache(config=model.config)
+            ids[row, : s + len(chunks[ci])] = torch.tensor([*sink_ids, *chunks[ci]])
         pos = torch.arange(width, device=adapter.device)
         pos[s:] += gap
-        model.model(input_ids=ids.to(adapter.device), position_ids=pos[None].expand(len(group), -1),
-                    cache=cache, use_cache=True)
+        layers = adapter.prefill_layers(ids.to(adapter.device), pos[None].expand(len(group), -1))
         for row, ci in enumerate(group):
             n_tok = len(chunks[ci])
-            out[ci] = [
-                (layer.keys[row, :, s : s + n_tok].clone(), layer.values[row, :, s : s + n_tok].clone())
-                for layer in cache.layers
-            ]
+            out[ci] = [(k[row, :, s : s + n_tok].clone(), v[row, :, s : s + n_tok].clone()) for k, v in layers]
     return out

@@ -81,11 +81,51 @@ class PromptTemplate:
 
     def suffix_ids(self, question: str) -> list[int]:
         if not isinstance(question, str) or not question.strip():
-            raise ValueError("the question must be a non-empty string")
+            raise ValueError(f"the question must be a non-empty string, got {_short(question)}")
         q = self.question_format.format(question=question.strip())
         return self.tokenizer(q, add_special_tokens=False)["input_ids"] + list(self.tail_ids)
 
-    def build(self, question: str, contexts: list[str]) -> Prompt:
+    def chunks(self, contexts, max_tokens: int | None = None, names: list[str] | None = None) -> list[list[int]]:
+        """Token ids of each context, each checked: a list of non-empty strings, none longer than
+        ``max_tokens``. Errors name the context (``names[i]``, default "context i")."""
         if isinstance(contexts, str):
             raise TypeError("contexts must be a list of strings (one chunk each), not one string")
-        return Prompt(list(self.prefix_ids), [self.chunk_ids(c) for c in contexts], self.suffix_ids(question))
+        if contexts is None or len(contexts) == 0:
+            raise ValueError("contexts is empty: give at least one context chunk")
+        out = []
+        for i, c in enumerate(contexts):
+            name = names[i] if names is not None else f"context {i}"
+            if not isinstance(c, str):
+                raise TypeError(f"{name} is a {type(c).__name__}, expected str")
+            if not c.strip():
+                raise ValueError(f"{name} is empty or whitespace only")
+            ids = self.chunk_ids(c)
+            if max_tokens is not None and len(ids) > max_tokens:
+                raise ValueError(f"{_describe(name, c)} has {len(ids)} tokens, longer than the model's window "
+                                 f"({max_tokens}); split it with ragkv.chunking.chunk_document")
+            out.append(ids)
+        return out
+
+    def build(self, question: str, contexts, max_tokens: int | None = None) -> Prompt:
+        """The prompt of ``question`` over ``contexts`` (one cached chunk each); with ``max_tokens``
+        (the model's window) a prompt that does not fit is an error naming its longest context."""
+        suffix = self.suffix_ids(question)
+        prompt = Prompt(list(self.prefix_ids), self.chunks(contexts, max_tokens), suffix)
+        if max_tokens is not None and prompt.num_tokens > max_tokens:
+            lens = [len(ids) for ids in prompt.chunk_ids]
+            worst = max(range(len(lens)), key=lens.__getitem__)
+            raise ValueError(
+                f"{_describe(f'context {worst}', contexts[worst])} ({lens[worst]} tokens) makes the prompt longer than the "
+                f"model's window ({prompt.num_tokens} prompt tokens > {max_tokens}); pass fewer or shorter contexts"
+            )
+        return prompt
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _describe(name: str, text: str) -> str:
+    head = text.strip().replace("\n", " ")
+    return f"{name} ({head[:40]!r}{'...' if len(head) > 40 else ''})"

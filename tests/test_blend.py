@@ -10,10 +10,11 @@ from blend_testlib import TEMPLATE, SlowStore, make_prompt
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ragkv import blend as blend_mod
 from ragkv import models
 from ragkv.adapter import ModelAdapter, UnsupportedModelError
-from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.blend import BlendConfig, BlendEngine, DeviationSelector, QuerySelector
+from ragkv.blend import attention as attention_mod
+from ragkv.blend import cache as cache_mod
 from ragkv.kernels import dispatch as ops
 from ragkv.policy import prefill_kv
 from ragkv.prompt import Prompt
@@ -33,8 +34,14 @@ def full_logits(model, prompt: Prompt) -> torch.Tensor:
         return model(torch.tensor([prompt.input_ids])).logits[0, -1].float()
 
 
+def config(**cfg) -> BlendConfig:
+    """BlendConfig with the deviation selector's settings (check_layers, signal, ...) among ``cfg``."""
+    sel = {k: cfg.pop(k) for k in ("check_layers", "first_ratio", "signal", "normalize") if k in cfg}
+    return BlendConfig(selector=DeviationSelector(**sel), **cfg)
+
+
 def engine(model, **cfg) -> BlendEngine:
-    return BlendEngine(model, None, MemoryStore(), config=BlendConfig(**cfg), template=TEMPLATE)
+    return BlendEngine(model, None, MemoryStore(), config=config(**cfg), template=TEMPLATE)
 
 
 @pytest.mark.parametrize("rope", sorted(ROPES))
@@ -92,7 +99,7 @@ def test_ratio_one_greedy_generation_equals_plain_generate(kind):
     eng.prefill_prompt(prompt)
     res = eng.prefill_prompt(prompt, ratio=1.0)
     assert res.cache.get_seq_length() == prompt.num_tokens - 1
-    out = eng.generate_from(res, max_new_tokens=12)
+    out = eng.adapter.generate(res.input_ids, res.cache, max_new_tokens=12)
     ids = torch.tensor([prompt.input_ids])
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                          pad_token_id=0)[0, ids.shape[1]:]
@@ -158,7 +165,7 @@ def test_recompute_attends_causally_by_original_position(kind, attn, monkeypatch
     # lets the recomputed tokens see keys after their own position
     if attn != "eager":
         return
-    monkeypatch.setattr(blend_mod, "_causal_mask_by_position", _bottom_right_mask)
+    monkeypatch.setattr(attention_mod, "causal_mask_by_position", _bottom_right_mask)
     bad = eng.prefill_prompt(prompt, ratio=5 / 68)
     assert bad.selected.tolist() == expect
     assert (bad.cache.layers[last].values[0][:, expect] - exact.layers[last].values[0][:, expect]).abs().max() > 1e-2
@@ -211,13 +218,13 @@ def test_suffix_is_active_in_every_layer_and_selection_has_the_ratio(monkeypatch
     eng = engine(model, check_layers=(1, 2), first_ratio=0.6)
     eng.prefill_prompt(prompt)
     seen = []
-    orig = blend_mod._FusedCache.update
+    orig = cache_mod.FusedCache.update
 
-    def spy(self, k, v, layer_idx, *a, **kw):
+    def spy(self, layer_idx, k, v):
         seen.append((layer_idx, self.active.clone()))
-        return orig(self, k, v, layer_idx, *a, **kw)
+        return orig(self, layer_idx, k, v)
 
-    monkeypatch.setattr(blend_mod._FusedCache, "update", spy)
+    monkeypatch.setattr(cache_mod.FusedCache, "update", spy)
     res = eng.prefill_prompt(prompt, ratio=0.2)
     T, S, C, P = prompt.num_tokens, len(prompt.suffix_ids), 100, len(prompt.prefix_ids)
     suffix = set(range(T - S, T))
@@ -272,7 +279,7 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="ratio"):
         BlendConfig(ratio=-0.1)
     with pytest.raises(ValueError, match="signal"):
-        BlendConfig(signal="q")
+        DeviationSelector(signal="q")
     with pytest.raises(ValueError, match="check layer"):
         engine(model, check_layers=(9,)).prefill_prompt(make_prompt())
     with pytest.raises(ValueError, match="exceeds the model's context"):
@@ -322,8 +329,9 @@ def test_smollm2_answers_from_stored_chunks(smollm2, tmp_path):
     assert computed == 2 and all(store.contains(k) for k in keys)
     # a fresh engine over the same store: everything is served from disk
     eng2 = BlendEngine(model, tokenizer, open_store(f"disk://{tmp_path}/store"))
-    answer, res, _ = eng2.generate("Who designed the Harwick Point Lighthouse?", contexts, max_new_tokens=24)
+    res = eng2.prefill("Who designed the Harwick Point Lighthouse?", contexts)
     assert res.stats.hits == 2 and res.stats.misses == 0
+    answer = tokenizer.decode(eng2.adapter.generate(res.input_ids, res.cache, tokenizer, max_new_tokens=24))
     assert "Tolland" in answer, answer
 
 
@@ -334,13 +342,13 @@ def test_entries_are_pinned_while_a_request_reads_them():
     eng = BlendEngine(model, None, store, template=TEMPLATE, config=BlendConfig(pipelined=False))
     eng.prefill_prompt(prompt)
     seen = []
-    orig = store.get_layer
+    orig = store._load  # every read of a backend goes through its _load hook
 
-    def spy(key, i):
+    def spy(key, layers):
         seen.append(store.is_pinned(key))
-        return orig(key, i)
+        return orig(key, layers)
 
-    store.get_layer = spy
+    store._load = spy
     eng.prefill_prompt(prompt, ratio=0.3)
     assert seen and all(seen)
     assert not any(store.is_pinned(eng.chunk_key(ids)) for ids in prompt.chunk_ids)
@@ -372,19 +380,18 @@ def test_default_policy_gap_follows_the_context_and_long_chunks_are_refused():
     assert PrecomputePolicy().resolve(models.tiny_model("llama", max_position_embeddings=8192)).gap == 1024
     with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
         eng.prefill_chunks([list(range(10, 1600))])
-    assert eng.check_layers == [1]  # (1, 3, 6) cut to a 4-layer model
+    assert eng.config.selector.layers_for(eng.adapter.num_layers) == [1]  # (1, 3, 6) cut to a 4-layer model
 
 
 def test_auto_ratio_recomputes_what_the_load_hides_never_below_the_floor():
     from ragkv.controller import LayerCost, RatioController
 
-    ctl = RatioController(LayerCost(c0=0.001, c1=0.0001), floor=0.15)
+    ctl = RatioController(LayerCost(c0=0.001, c1=0.0001))
     # load 0.011 s per layer hides the recompute of (0.011 - 0.001 - 0.0001*10) / 0.0001 = 90 tokens
     assert ctl.hidden_ratio(1100, 1e5, chunk_tokens=200, suffix_tokens=10) == pytest.approx(0.45)
-    assert ctl.choose(1100, 1e5, 200, 10) == pytest.approx(0.45)
-    assert ctl.choose(100, 1e9, 200, 10) == 0.15  # a fast tier: the floor
-    assert ctl.choose(10**9, 1.0, 200, 10) == 1.0
-    assert ctl.hides(0.45, 1100, 1e5, 200, 10) and not ctl.hides(0.2, 1100, 1e5, 200, 10)
+    assert ctl.choose(1100, 1e5, 200, 10, floor=0.15) == pytest.approx(0.45)
+    assert ctl.choose(100, 1e9, 200, 10, floor=0.15) == 0.15  # a fast tier: the floor
+    assert ctl.choose(10**9, 1.0, 200, 10, floor=0.15) == 1.0
 
     model = models.tiny_model("llama")
     prompt = make_prompt(seed=29, sizes=(60, 60, 60))
@@ -397,3 +404,72 @@ def test_auto_ratio_recomputes_what_the_load_hides_never_below_the_floor():
     assert slow.stats.ratio > 0.5 and slow.stats.hits == 3
     with pytest.raises(ValueError, match="'auto'"):
         eng.prefill_prompt(prompt, ratio="fast")
+
+
+# ---------------------------------------------------------------- selection strategies
+
+
+@pytest.mark.parametrize("selector", [DeviationSelector(), DeviationSelector(check_layers=(2,), signal="kv"),
+                                      QuerySelector(), QuerySelector(rows=2, heads="max", smooth=1, chunk_starts=1)])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
+    model = models.tiny_model("llama", attn_implementation=attn)
+    prompt = make_prompt(seed=31, sizes=(23, 17, 30))
+    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=selector), template=TEMPLATE)
+    _store_exact_caches(eng, model, prompt)
+    for ratio in (0.0, 0.1, 0.4):
+        res = eng.prefill_prompt(prompt, ratio=ratio)
+        assert res.stats.hits == 3 and res.stats.recomputed_tokens == math.ceil(ratio * 70 - 1e-9)
+        torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
+
+
+def test_query_selector_picks_what_the_question_attends_to():
+    """With exact caches the probe sees full prefill's attention: the selected tokens must be the
+    top tokens of the suffix's attention computed independently by HF's eager attention."""
+    model = models.tiny_model("llama", attn_implementation="eager")
+    prompt = make_prompt(seed=37, sizes=(30, 25, 35))
+    P, C = len(prompt.prefix_ids), 90
+    sel = QuerySelector()
+    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=sel), template=TEMPLATE)
+    _store_exact_caches(eng, model, prompt)
+    with torch.no_grad():
+        out = model(torch.tensor([prompt.input_ids]), output_attentions=True)
+    S = len(prompt.suffix_ids)
+    score = torch.zeros(C)
+    for att in out.attentions:  # [1, heads, T, T]
+        a = att[0, :, -S:, P : P + C].float().mean((0, 1))  # mean over heads and suffix rows
+        score += a / a.sum()
+    want = set((torch.topk(score, 9).indices + P).tolist())
+    res = eng.prefill_prompt(prompt, ratio=0.1)  # ceil(0.1 * 90) = 9 tokens
+    assert set(res.selected.tolist()) == want
+    assert res.stats.t_select > 0
+    # the suffix's strongest chunk token is among them, whatever the ratio
+    top = int(torch.argmax(score)) + P
+    assert top in eng.prefill_prompt(prompt, ratio=0.02).selected.tolist()
+
+
+def test_query_probe_reads_each_stored_layer_once(monkeypatch):
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=41)
+    store = MemoryStore()
+    eng = BlendEngine(model, None, store, BlendConfig(selector=QuerySelector()), template=TEMPLATE)
+    eng.prefill_prompt(prompt)
+    reads = []
+    orig = store._load
+
+    def spy(key, layers):
+        reads.append((key, None if layers is None else tuple(layers)))
+        return orig(key, layers)
+
+    store._load = spy
+    res = eng.prefill_prompt(prompt, ratio=0.2)
+    layer_reads = [r for r in reads if r[1] is not None]
+    assert res.stats.hits == 3 and len(layer_reads) == len(set(layer_reads)) == 4 * model.config.num_hidden_layers
+
+
+def test_selectors_are_chosen_by_name_and_unknown_names_are_refused():
+    assert isinstance(BlendConfig(selector="query").selector, QuerySelector)
+    with pytest.raises(ValueError, match="unknown selector 'psychic'; valid: deviation, query"):
+        BlendConfig(selector="psychic")
+    with pytest.raises(ValueError, match="heads"):
+        QuerySelector(heads="median")

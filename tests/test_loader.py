@@ -12,8 +12,10 @@ from blend_testlib import TEMPLATE, SlowStore, make_prompt
 from redis_server import start_or_skip
 
 from ragkv import models
-from ragkv.blend import BlendConfig, BlendEngine
-from ragkv.loader import LayerLoader, SequentialLoader
+from ragkv.blend import BlendConfig, BlendEngine, DeviationSelector
+from ragkv.blend import cache as cache_mod
+from ragkv.loader import LayerLoader, Miss, SequentialLoader
+from ragkv.policy import StorageFormat
 from ragkv.store.disk import DiskStore
 from ragkv.store.entry import decode_header, header_nbytes
 from ragkv.store.memory import MemoryStore
@@ -21,9 +23,9 @@ from ragkv.store.memory import MemoryStore
 SIZES = (13, 29, 7, 21)  # four chunks
 
 
-def engine(model, store, pipelined: bool, **cfg) -> BlendEngine:
-    cfg.setdefault("check_layers", (1,))
-    return BlendEngine(model, None, store, config=BlendConfig(pipelined=pipelined, **cfg), template=TEMPLATE)
+def engine(model, store, pipelined: bool, storage_dtype=None) -> BlendEngine:
+    config = BlendConfig(pipelined=pipelined, selector=DeviationSelector(check_layers=(1,)))
+    return BlendEngine(model, None, store, config, template=TEMPLATE, storage=StorageFormat(storage_dtype))
 
 
 def loader_threads() -> list[threading.Thread]:
@@ -65,15 +67,16 @@ def test_pipelined_equals_sequential(backend, storage_dtype, tmp_path):
     engine(model, store, False, storage_dtype=storage_dtype).prefill_prompt(prompt)  # fill the store
     seq = engine(model, store, False, storage_dtype=storage_dtype).prefill_prompt(prompt)
     pipe = engine(model, store, True, storage_dtype=storage_dtype).prefill_prompt(prompt)
-    assert seq.stats.hits == pipe.stats.hits == 4 and pipe.stats.corrupt == 0
+    assert seq.stats.hits == pipe.stats.hits == 4
+    assert pipe.stats.corrupt == pipe.stats.vanished == pipe.stats.store_errors == pipe.stats.timeouts == 0
     assert pipe.stats.t_load_io > 0
     for li in range(model.config.num_hidden_layers):
         assert torch.equal(seq.cache.layers[li].keys, pipe.cache.layers[li].keys), li
         assert torch.equal(seq.cache.layers[li].values, pipe.cache.layers[li].values), li
     assert torch.equal(seq.logits, pipe.logits)
     eng = engine(model, store, True)
-    out_seq = eng.generate_from(seq, max_new_tokens=8)
-    out_pipe = eng.generate_from(pipe, max_new_tokens=8)
+    out_seq = eng.adapter.generate(seq.input_ids, seq.cache, max_new_tokens=8)
+    out_pipe = eng.adapter.generate(pipe.input_ids, pipe.cache, max_new_tokens=8)
     assert out_seq.tolist() == out_pipe.tolist()
     assert not loader_threads()
 
@@ -89,7 +92,11 @@ def test_failing_layer_is_recomputed(mode):
     ref = healthy_run(model, prompt, store)
     bad_key = engine(model, store, True).chunk_key(prompt.chunk_ids[1])
     res = engine(model, FlakyStore(store, bad_key, 2, mode), True).prefill_prompt(prompt)
-    assert res.stats.corrupt == 1
+    if mode == "raise":  # an outage, counted as such
+        assert res.stats.store_errors == 1 and res.stats.vanished == 0
+    else:  # gone since the lookup
+        assert res.stats.vanished == 1 and res.stats.store_errors == 0
+    assert res.stats.corrupt == 0 and res.stats.timeouts == 0
     torch.testing.assert_close(res.logits, ref.logits, atol=1e-4, rtol=0)
 
 
@@ -111,7 +118,7 @@ def test_corrupt_disk_layer_midway_is_recomputed(tmp_path):
     key = eng.chunk_key(prompt.chunk_ids[2])
     _corrupt_layer_on_disk(store, key, 2)  # the header is intact: the lookup passes, layer 2 fails
     res = eng.prefill_prompt(prompt)
-    assert res.stats.hits == 4 and res.stats.corrupt == 1
+    assert res.stats.hits == 4 and res.stats.corrupt == 1 and res.stats.vanished == res.stats.store_errors == 0
     torch.testing.assert_close(res.logits, ref.logits, atol=1e-4, rtol=0)
     assert store.contains(key)  # written back by the recompute
     assert not loader_threads()
@@ -154,7 +161,7 @@ def test_redis_dies_mid_request(redis_proc, pipelined):
         ref = healthy_run(model, prompt, store)
         assert ref.stats.hits == 4
         res = engine(model, KillOnFirstRead(store, proc), pipelined).prefill_prompt(prompt)
-        assert proc.poll() is not None and res.stats.corrupt >= 1
+        assert proc.poll() is not None and res.stats.store_errors >= 1 and res.stats.corrupt == 0
         torch.testing.assert_close(res.logits, ref.logits, atol=1e-4, rtol=0)
     finally:
         store.close()
@@ -185,7 +192,7 @@ def test_prefetch_stays_within_byte_bound(budget_layers):
         for li in range(6):
             got.append(loader.layer(li))
             time.sleep(0.02)
-    assert all(x is not None for layer in got for x in layer)
+    assert all(not isinstance(x, Miss) for layer in got for x in layer)
     if budget_layers < 1:  # a single layer larger than the bound goes through alone
         assert loader.peak_bytes == layer_bytes
     else:
@@ -201,7 +208,10 @@ def test_prefetch_depth_bounds_layers_ahead():
     with LayerLoader(store, keys, range(6), prefetch_depth=2) as loader:
         time.sleep(0.2)
         assert loader.peak_bytes <= 2 * layer_bytes
-        assert loader.layer(0) and loader.layer(1)
+        for li in (0, 1):
+            got = loader.layer(li)
+            assert len(got) == len(keys) and not any(isinstance(x, Miss) for x in got)
+            assert all(torch.equal(x.k, store.get_layer(k, li).k) for k, x in zip(keys, got))
 
 
 def test_sequential_loader_same_layers():
@@ -222,15 +232,15 @@ def test_stuck_store_times_out_as_miss():
             release.wait(5)
             return None
 
-    t0 = time.monotonic()
-    loader = LayerLoader(Stuck(), keys, range(6), timeout_s=0.3, join_timeout_s=0.1)
+    loader = LayerLoader(Stuck(), keys, range(6), timeout_s=1.0, join_timeout_s=0.1)
     try:
-        assert loader.layer(0) == [None] * len(keys)
-        assert loader.layer(1) == [None] * len(keys)  # no second wait after a timeout
+        assert loader.layer(0) == [Miss("timeout")] * len(keys) and loader.timed_out
+        t0 = time.monotonic()
+        assert loader.layer(1) == [Miss("timeout")] * len(keys)
+        assert time.monotonic() - t0 < loader.timeout_s  # no second wait after a timeout
     finally:
         loader.close()
         release.set()
-    assert time.monotonic() - t0 < 2
     loader._thread.join(5)
     assert not loader._thread.is_alive()
 
@@ -240,26 +250,53 @@ def test_loader_closed_when_request_raises(monkeypatch):
     prompt = make_prompt(seed=6, sizes=SIZES)
     eng = engine(model, MemoryStore(), True)
     eng.prefill_prompt(prompt)
-    real = eng._fuse_layer
+    real = cache_mod.FusedCache.fuse
 
-    def boom(cache, li, *a, **kw):
+    def boom(self, li, parts):
         if li == 2:
             raise RuntimeError("boom")
-        return real(cache, li, *a, **kw)
+        return real(self, li, parts)
 
-    monkeypatch.setattr(eng, "_fuse_layer", boom)
+    monkeypatch.setattr(cache_mod.FusedCache, "fuse", boom)
     with pytest.raises(RuntimeError, match="boom"):
         eng.prefill_prompt(prompt)
     assert not loader_threads()
 
 
-def test_slow_store_overlaps_reads():
+class CountingStore:
+    """Counts layer reads and signals when ``n`` reads happened."""
+
+    def __init__(self, inner, n: int):
+        self.inner, self.n, self.reads = inner, n, []
+        self.done = threading.Event()
+
+    def get_layer(self, key, i):
+        self.reads.append(i)
+        if len(self.reads) >= self.n:
+            self.done.set()
+        return self.inner.get_layer(key, i)
+
+
+def test_loader_reads_ahead_of_the_caller():
     store, keys, _ = _filled_store()
-    slow = SlowStore(store, 0.01)
-    with LayerLoader(slow, keys, range(6), prefetch_depth=6) as loader:
-        time.sleep(0.4)  # "compute" while the loader reads every layer
-        t0 = time.perf_counter()
-        for li in range(6):
-            loader.layer(li)
-        waited = time.perf_counter() - t0
-    assert waited < 0.05 and loader.io_seconds >= 6 * 3 * 0.01
+    counting = CountingStore(store, 3 * len(keys))
+    with LayerLoader(counting, keys, range(6), prefetch_depth=3) as loader:
+        assert counting.done.wait(10)  # layers 0..2 read before anybody asked for them
+        assert sorted(set(counting.reads)) == [0, 1, 2]
+        for li in range(3):  # served from what was read ahead
+            got = loader.layer(li)
+            assert all(torch.equal(x.k, store.get_layer(k, li).k) for k, x in zip(keys, got))
+    assert loader.io_seconds > 0
+
+
+def test_skipping_layers_never_fills_the_prefetch_window():
+    """The caller jumps from layer 0 to layer 4 while layers 1..2 sit unread in a full window: they
+    are dropped at once, the loader moves on, and layer 4 arrives without waiting out the timeout."""
+    store, keys, _ = _filled_store()
+    counting = CountingStore(store, 3 * len(keys))
+    with LayerLoader(counting, keys, range(6), prefetch_depth=2, timeout_s=30.0) as loader:
+        loader.layer(0)
+        assert counting.done.wait(10)  # window full: layers 1 and 2 read, the loader waits for room
+        got = loader.layer(4)
+        assert not loader.timed_out and not any(isinstance(x, Miss) for x in got)
+        assert 3 not in counting.reads  # a skipped layer is not read at all once the caller passed it

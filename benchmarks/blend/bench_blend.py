@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dataset import build
 
 from ragkv import models
-from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.blend import BlendConfig, BlendEngine, DeviationSelector
 from ragkv.evaluate import Question, evaluate, format_table
-from ragkv.policy import PrecomputePolicy
+from ragkv.policy import PrecomputePolicy, StorageFormat
 from ragkv.prompt import PromptTemplate
 from ragkv.store import open_store
 
@@ -62,10 +62,12 @@ def main() -> None:
     report = {"model": "SmolLM2-135M-Instruct", "device": "cpu", "threads": torch.get_num_threads(),
               "questions": len(qs), "prompt_tokens": None, "variants": {}}
     for name in names:
-        policy, cfg = VARIANTS[name]
+        policy, cfg = VARIANTS[name][0], dict(VARIANTS[name][1])
         # entries are keyed by content, not encoding: another storage dtype needs its own store
-        store = open_store(base + ("-" + cfg["storage_dtype"] if "storage_dtype" in cfg else ""))
-        eng = BlendEngine(model, tok, store, config=BlendConfig(**cfg), policy=PrecomputePolicy(**policy))
+        storage = cfg.pop("storage_dtype", None)
+        store = open_store(base + ("-" + storage if storage else ""))
+        eng = BlendEngine(model, tok, store, config=BlendConfig(selector=DeviationSelector(**cfg)),
+                          policy=PrecomputePolicy(**policy), storage=StorageFormat(storage))
         t0 = time.time()
         rep = evaluate(eng, qs, ratios=ratios, repeats=2)
         report["prompt_tokens"] = sum(eng.build_prompt(q.question, q.contexts).num_tokens for q in qs) / len(qs)

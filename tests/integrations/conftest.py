@@ -21,12 +21,13 @@ def one_thread():
 
 @pytest.fixture
 def make_gen(smollm2):
+    from ragkv.blend import BlendConfig
     from ragkv.integrations.hf import BlendedGenerator
 
     model, tokenizer = smollm2
 
     def make(ratio: float = 0.15, store=None):
-        return BlendedGenerator(model, tokenizer, store or open_store("memory"), ratio=ratio)
+        return BlendedGenerator(model, tokenizer, store or open_store("memory"), BlendConfig(ratio=ratio))
 
     return make
 

@@ -75,7 +75,7 @@ def test_bad_input_gives_clear_errors(make_gen):
         gen.generate(QUESTION, CONTEXTS[0])
     with pytest.raises(ValueError, match="context 1 is empty"):
         gen.generate(QUESTION, [CONTEXTS[0], "  "])
-    huge = "lighthouse " * (gen.max_tokens + 10)
+    huge = "lighthouse " * (gen.engine.adapter.max_positions + 10)
     with pytest.raises(ValueError, match=r"context 1 \('lighthouse lighthouse.*longer than the model's window"):
         gen.generate(QUESTION, [CONTEXTS[0], huge])
     key = gen.engine.chunk_key(gen.engine.template.chunk_ids(CONTEXTS[0]))

@@ -1,0 +1,66 @@
+"""Attention of the recomputed tokens: causal by ORIGINAL position, and how it is routed into the model.
+
+The recomputed rows of a layer are a sparse subset of the prompt (selected chunk tokens + the
+suffix). Each must see exactly the keys at positions <= its own, wherever it sits in the active
+block; a mask aligned to the bottom right of the active block (what the public implementations do)
+lets early recomputed tokens see later keys.
+
+Three ways a layer is run (``layer_call``):
+  whole prompt   every position is active (sdpa/flash): a plain causal prefill on the model's own
+                 kernel (is_causal path, no mask at all)
+  by position    ``position_attention`` (ops.blend_attention: Triton on CUDA, blocked SDPA on CPU that
+                 skips masked key blocks) through the seam's per-call routing (ragkv.adapter)
+  eager models   the model's own eager attention with an explicit 4-D mask built from positions
+                 (``causal_mask_by_position``), since each model file has its own eager function
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragkv.adapter import IS_CAUSAL_IMPLS
+from ragkv.kernels import dispatch as ops
+
+
+def position_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                       ragkv_q_pos=None, ragkv_capture=None, **kwargs):
+    """HF attention-function signature; query [1, Hq, n, D], key/value [1, Hkv, T, D] -> ([1, n, Hq, D], None):
+    row i attends to keys at positions <= ragkv_q_pos[i] (the fused K/V holds position j at row j).
+    ``ragkv_capture(layer, q [Hq, n, D], k [Hkv, T, D], scale)``, if given, sees the queries and keys
+    first (the query-aware selectors' probe reads the question's attention there)."""
+    if ragkv_capture is not None:
+        ragkv_capture(module.layer_idx, query[0], key[0], scaling)
+    out = ops.blend_attention(query[0], key[0], value[0], ragkv_q_pos, sm_scale=scaling)  # [Hq, n, D]
+    return out.transpose(0, 1).unsqueeze(0), None
+
+
+def causal_mask_by_position(q_pos: torch.Tensor, total: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, n, total] additive mask: query at position q_pos[i] sees keys at positions <= q_pos[i]."""
+    k_pos = torch.arange(total, device=q_pos.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+class LayerCalls:
+    """The attention arguments of ``ModelAdapter.run_layer`` for one request, per active set (the
+    eager mask is built once per active set, not once per layer)."""
+
+    def __init__(self, adapter, total: int):
+        self.adapter, self.total = adapter, total
+        self.eager = adapter.attn_implementation == "eager"
+        self.is_causal = adapter.attn_implementation in IS_CAUSAL_IMPLS  # takes mask None as causal
+        self._mask_for: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+
+    def __call__(self, active: torch.Tensor, capture=None) -> dict:
+        if capture is not None:  # a probe: ragkv's attention under every implementation (eager included)
+            return {"attention": position_attention, "ragkv_q_pos": active, "ragkv_capture": capture}
+        if self.is_causal and active.numel() == self.total:  # every position: a plain causal prefill
+            return {}
+        if not self.eager:
+            return {"attention": position_attention, "ragkv_q_pos": active}
+        if self._mask_for is not active:
+            self._mask_for, self._mask = active, causal_mask_by_position(active, self.total, self.adapter.dtype)
+        return {"attention_mask": self._mask}

@@ -1,0 +1,103 @@
+"""The fused cache a blended request's decoder layers write into, and its handoff to generation.
+
+Per layer it holds the prompt's K/V ``[1, kv_heads, T, head_dim]``: stored entries copied in at
+their prompt positions (keys re-rotated from their stored positions, int8 dequantized on the fly),
+then the fresh K/V of the rows a layer recomputes scattered over them. The layer's attention then
+reads the whole fused K/V. After the last layer the first T-1 positions become a ``DynamicCache``
+(views, no copy) that ``generate`` continues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.kernels import dispatch as ops
+from ragkv.store.entry import StoredLayer
+
+
+@dataclass
+class Segment:
+    """One cached piece of the prompt: the exact prefix or one chunk."""
+
+    key: str
+    ids: list[int]
+    start: int  # position in this prompt
+    is_prefix: bool = False
+    stored_start: int = 0  # position of its first token when it was prefilled
+    layers: list | None = None  # computed during this request: [(K, V)] per layer, model dtype
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
+
+class FusedCache:
+    """ragkv's side of the cache contract (``ModelAdapter.run_layer``): ``update(li, k, v)``."""
+
+    def __init__(self, adapter, total: int):
+        self.adapter, self.total = adapter, total
+        self.keys: list[torch.Tensor | None] = [None] * adapter.num_layers
+        self.values: list[torch.Tensor | None] = [None] * adapter.num_layers
+        self.active: torch.Tensor | None = None  # [n] absolute positions of the rows being computed
+        self.scorer = None  # set for a check layer: (score fn, rows of `active` to score)
+        self.scores: torch.Tensor | None = None
+
+    def fuse(self, li: int, parts: Sequence[tuple[Segment, StoredLayer | tuple]]) -> None:
+        """Build layer li's fused K/V from (segment, its layer li) pairs: a StoredLayer read from the
+        store or the (K, V) computed during this request. Positions no part covers stay
+        uninitialised: the caller recomputes every one of them in this layer."""
+        a = self.adapter
+        shape = (1, a.num_kv_heads, self.total, a.head_dim)
+        k_all = torch.empty(shape, dtype=a.dtype, device=a.device)
+        v_all = torch.empty(shape, dtype=a.dtype, device=a.device)
+        inv = a.inv_freq.to(a.device)
+        lo, hi, deltas = self.total, 0, []  # the span of plain (unquantized) keys still to re-rotate
+        for seg, item in parts:
+            n = len(seg.ids)
+            dst_k, dst_v = k_all[0, :, seg.start : seg.end], v_all[0, :, seg.start : seg.end]
+            if isinstance(item, StoredLayer):
+                k, v, k_scale, v_scale = item.k, item.v, item.k_scale, item.v_scale
+            else:
+                (k, v), k_scale, v_scale = item, None, None
+            k, v = k.to(a.device), v.to(a.device)
+            shift = seg.start - seg.stored_start
+            if k_scale is not None:  # dequantize and re-rotate in one pass
+                delta = torch.full((n,), shift, dtype=torch.long, device=a.device)
+                dst_k.copy_(ops.rope_shift(k, delta, inv, scale=k_scale.to(a.device), out_dtype=a.dtype))
+            else:
+                dst_k.copy_(k)
+                if shift:
+                    lo, hi = min(lo, seg.start), max(hi, seg.end)
+                    deltas.append((seg.start, n, shift))
+            if v_scale is not None:
+                dst_v.copy_(v.float() * v_scale.to(a.device))
+            else:
+                dst_v.copy_(v)
+        if deltas:  # one rope_shift over the span: the chunks sit side by side, each with its own delta
+            delta = torch.zeros(hi - lo, dtype=torch.long, device=a.device)
+            for start, n, shift in deltas:
+                delta[start - lo : start - lo + n] = shift
+            span = k_all[0, :, lo:hi]
+            span.copy_(ops.rope_shift(span, delta, inv, out_dtype=a.dtype))
+        self.keys[li], self.values[li] = k_all, v_all
+
+    def update(self, li: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor):
+        """The fresh K/V [1, kv_heads, n, head_dim] of the active rows: scored against the fused K/V
+        when a scorer is set, then scattered over it; returns the whole fused K/V to attend over."""
+        k, v = self.keys[li][0], self.values[li][0]  # [H, T, D]
+        fk, fv = fresh_k[0], fresh_v[0]  # [H, n, D]
+        if self.scorer is not None:
+            score, rows = self.scorer
+            idx = self.active[rows]
+            self.scores = score(fk[:, rows], k[:, idx], fv[:, rows], v[:, idx])
+        ops.scatter_rows(k, fk, self.active)
+        ops.scatter_rows(v, fv, self.active)
+        return self.keys[li], self.values[li]
+
+    def handoff(self, length: int):
+        """A DynamicCache over the first ``length`` positions (views of the fused K/V, no copy)."""
+        return self.adapter.cache_from([k[:, :, :length] for k in self.keys],
+                                       [v[:, :, :length] for v in self.values])

@@ -1,0 +1,45 @@
+"""The read path's settings. How chunks are written (precompute policy, storage format) is the write
+path's and lives in ``ragkv.policy``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ragkv.blend.select import DeviationSelector, Selector, make_selector
+
+DEFAULT_RATIO = 0.15
+DEFAULT_RATIO_FLOOR = 0.15  # the quality floor of ratio="auto"
+
+
+def check_ratio(ratio, what: str = "ratio") -> float | str:
+    """A recompute ratio in [0, 1] or "auto"; anything else is a ValueError naming it."""
+    if ratio == "auto":
+        return ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"{what} must be a number in [0, 1] or 'auto', got {ratio!r}")
+    return float(ratio)
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """ratio: fraction of the reused (chunk) tokens recomputed, or "auto" (the loading controller
+    recomputes what the store's load hides, never below ``ratio_floor``; ragkv.controller).
+    selector: which tokens are recomputed, a ``Selector`` or a registered name (ragkv.blend.select).
+    pipelined: read layer i+1 from the store while layer i computes (ragkv.loader)."""
+
+    ratio: float | str = DEFAULT_RATIO
+    ratio_floor: float = DEFAULT_RATIO_FLOOR
+    selector: Selector | str = "deviation"
+    pipelined: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "ratio", check_ratio(self.ratio))
+        floor = check_ratio(self.ratio_floor, "ratio_floor")
+        if floor == "auto":
+            raise ValueError("ratio_floor must be a number in [0, 1], got 'auto'")
+        object.__setattr__(self, "selector", make_selector(self.selector))
+        sel = self.selector
+        if isinstance(sel, DeviationSelector) and sel.first_ratio is not None:
+            low = 0.0 if self.ratio == "auto" else self.ratio
+            if sel.first_ratio < low:
+                raise ValueError(f"first_ratio must lie in [ratio, 1], got {sel.first_ratio} < {low}")

@@ -1,0 +1,170 @@
+"""One blended request: the layer loop over the model's own decoder layers.
+
+    schedule = selector.schedule(...)       which chunk rows are recomputed from layer 0, and where
+                                            the active set narrows (ragkv.blend.select); a query-aware
+                                            selector first runs the probe: the suffix alone through
+                                            every layer over the fused stored K/V, its attention read
+    per layer li:
+        fuse      stored K/V of every segment not entirely recomputed in this layer (or scored
+                  here), re-rotated to its prompt positions (ragkv.blend.cache)
+        compute   the decoder layer over the active rows: the chosen chunk tokens + the suffix
+                  (+ the prefix while every chunk token is active and the kernel takes is_causal,
+                  so those layers run as a plain causal prefill); attention causal by original
+                  position (ragkv.blend.attention)
+        narrow    at a check layer, keep the chunk rows the selector scores highest
+    handoff   logits of the last token, and the fused cache minus its last position
+
+A stored layer that fails to arrive (vanished, corrupt, store error, timeout) makes that segment
+computed now, for this request; it is written back unless the store is failing.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import replace
+
+import torch
+
+from ragkv.blend.attention import LayerCalls
+from ragkv.blend.cache import FusedCache, Segment
+from ragkv.blend.result import BlendResult, BlendStats
+from ragkv.blend.select import Schedule, SelectionRequest
+from ragkv.kernels import dispatch as ops
+from ragkv.loader import Miss, _read_layer, make_loader
+from ragkv.prompt import Prompt
+from ragkv.store.entry import StoredLayer
+
+_COUNTERS = {"corrupt": "corrupt", "unsupported": "corrupt", "absent": "vanished", "error": "store_errors",
+             "timeout": "timeouts"}
+
+
+class BlendRequest:
+    def __init__(self, engine, prompt: Prompt, segments: list[Segment], ratio: float, stats: BlendStats):
+        self.engine, self.prompt, self.segments, self.stats = engine, prompt, segments, stats
+        a = self.adapter = engine.adapter
+        self.P, self.C, self.T = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids)), prompt.num_tokens
+        chunk_rows = [(s.start - self.P, len(s.ids)) for s in segments if not s.is_prefix]
+        self.selection = SelectionRequest(self.P, self.C, self.T, tuple(chunk_rows), ratio, a.num_layers)
+        self.positions = torch.arange(self.T, device=a.device)
+        self.cache = FusedCache(a, self.T)
+        self.calls = LayerCalls(a, self.T)
+        self.write_back = True  # off once the store fails or hangs during this request
+        self.input_ids = torch.tensor([prompt.input_ids], device=a.device)
+        self.from_store = [s.key for s in segments if s.layers is None]
+        self._loader = None
+
+    # ------------------------------------------------------------------ the request
+
+    def run(self) -> BlendResult:
+        stats, a = self.stats, self.adapter
+        with ExitStack() as stack:  # the loader thread is closed on every exit
+            self._stack = stack
+            ts = time.perf_counter()
+            schedule = self.engine.config.selector.schedule(replace(self.selection, probe=self._probe))
+            stats.t_select = time.perf_counter() - ts
+            self._set_active(self._initial(schedule.start))
+            hidden = a.embed(self.input_ids[:, self.active])
+            first = 0 if schedule.start.numel() < self.C else min(schedule.checks, default=a.num_layers)
+            for li in range(a.num_layers):
+                loaded = None if self.cache.keys[li] is not None else self._take(li, first)
+                hidden = self._layer(li, hidden, schedule, loaded)
+        stats.t_load_io = self._loader.io_seconds if self._loader is not None else 0.0
+        tc = time.perf_counter()
+        logits = a.logits(hidden)
+        handoff = self.cache.handoff(self.T - 1)
+        stats.t_compute += time.perf_counter() - tc
+        selected = self.active[(self.active >= self.P) & (self.active < self.P + self.C)]
+        stats.recomputed_tokens = int(selected.numel())
+        return BlendResult(self.input_ids, logits, handoff, stats, selected)
+
+    def _take(self, li: int, first: int) -> dict | None:
+        """Layer li of every stored entry from the request's loader (started on first use, reading
+        from layer ``first`` on); None below that layer or when nothing comes from the store."""
+        if not self.from_store or li < first:
+            return None
+        if self._loader is None:
+            cfg, a = self.engine.config, self.adapter
+            self._loader = self._stack.enter_context(
+                make_loader(cfg.pipelined, self.engine.store, self.from_store, range(first, a.num_layers)))
+        tw = time.perf_counter()
+        loaded = dict(zip(self._loader.keys, self._loader.layer(li)))
+        self.stats.t_load += time.perf_counter() - tw
+        if self._loader.timed_out:
+            self.write_back = False
+        return loaded
+
+    def _probe(self, observe) -> None:
+        """The suffix alone through every layer over the fused stored K/V (stale: not yet corrected),
+        ``observe(layer, q, k, scale)`` seeing its queries and the fused keys in each layer. The fused
+        layers are kept for the pass that follows (the store is read once)."""
+        a, suffix = self.adapter, self.positions[self.P + self.C :]
+        self._set_active(suffix)
+        hidden = a.embed(self.input_ids[:, suffix])
+        for li in range(a.num_layers):
+            self._fuse(li, self._take(li, 0), checks={})
+            self.cache.active = suffix
+            hidden = a.run_layer(li, hidden, suffix, self.cache, **self.calls(suffix, capture=observe))
+
+    def _fuse(self, li: int, loaded: dict | None, checks: dict) -> None:
+        tf = time.perf_counter()
+        parts = [(seg, self._stored(seg, li, loaded)) for seg in self.segments if self._needs_stored(seg, li, checks)]
+        self.cache.fuse(li, parts)
+        self.stats.t_fuse += time.perf_counter() - tf
+
+    def _layer(self, li: int, hidden: torch.Tensor, schedule: Schedule, loaded: dict | None) -> torch.Tensor:
+        if self.cache.keys[li] is None:  # (a probe fused it already)
+            self._fuse(li, loaded, schedule.checks)
+        tc = time.perf_counter()
+        cache, active = self.cache, self.active
+        cache.active = active
+        chunk = (active >= self.P) & (active < self.P + self.C)
+        if li in schedule.checks:
+            cache.scorer = (schedule.score, torch.nonzero(chunk).flatten())
+        hidden = self.adapter.run_layer(li, hidden, active, cache, **self.calls(active))
+        if li in schedule.checks:
+            score_rows = cache.scorer[1]
+            top = ops.select_topk(cache.scores, schedule.checks[li])
+            keep = torch.cat([score_rows[top], torch.nonzero(active >= self.P + self.C).flatten()]).sort().values
+            self._set_active(active[keep])  # (prefix rows, active only in whole-prompt layers, drop out)
+            hidden = hidden[:, keep]
+            cache.scorer = cache.scores = None
+        self.stats.t_compute += time.perf_counter() - tc
+        return hidden
+
+    # ------------------------------------------------------------------ helpers
+
+    def _initial(self, chunk_rows: torch.Tensor) -> torch.Tensor:
+        """Positions active from layer 0: the chunk rows (relative to P) + the suffix, + the prefix
+        when every chunk row is active and the kernel takes is_causal (a plain causal prefill)."""
+        P, C = self.P, self.C
+        rows = torch.cat([chunk_rows.to(self.positions.device) + P, self.positions[P + C :]])
+        if C and chunk_rows.numel() == C and self.calls.is_causal:
+            rows = torch.cat([self.positions[:P], rows])
+        return rows
+
+    def _set_active(self, rows: torch.Tensor) -> None:
+        self.active = rows
+        self._covered = torch.zeros(self.T, dtype=torch.bool, device=rows.device)
+        self._covered[rows] = True
+
+    def _needs_stored(self, seg: Segment, li: int, checks: dict) -> bool:
+        """A segment's stored K/V are read in layer li unless all of its tokens are recomputed there
+        and none is scored against them."""
+        return not bool(self._covered[seg.start : seg.end].all()) or (li in checks and not seg.is_prefix)
+
+    def _stored(self, seg: Segment, li: int, loaded: dict | None) -> StoredLayer | tuple:
+        if seg.layers is not None:  # computed during this request
+            return seg.layers[li]
+        got = loaded.get(seg.key) if loaded is not None else None
+        if got is None:  # a layer the loader does not cover (the exact prefix, early layers)
+            tl = time.perf_counter()
+            got = _read_layer(self.engine.store, [seg.key], li)[0]
+            self.stats.t_load += time.perf_counter() - tl
+        if isinstance(got, Miss):  # failed since the lookup: compute it now
+            setattr(self.stats, _COUNTERS[got.reason], getattr(self.stats, _COUNTERS[got.reason]) + 1)
+            if got.reason in ("error", "timeout"):
+                self.write_back = False  # a failing or stuck store: do not wait on it again
+            self.engine.compute_and_store([seg], write_back=self.write_back)
+            return seg.layers[li]
+        return got
