@@ -94,11 +94,13 @@ def _token_starts(tok, text: str, s: int, e: int) -> list[int]:
         return list(range(s, e))
 
 
-def _pieces(count: _Counter, text: str) -> list[tuple[tuple[int, int], int]]:
+def _pieces(count: _Counter, text: str, progress=None) -> list[tuple[tuple[int, int], int]]:
     """Spans that each fit, with their token counts: paragraphs, else their sentences, else token
-    windows."""
+    windows. ``progress(chars)`` is told how far into the text it got, paragraph by paragraph."""
     out: list[tuple[tuple[int, int], int]] = []
     for ps, pe in _split(text, 0, len(text), _PARA):
+        if progress is not None:
+            progress(ps)
         if (n := count(ps, pe)) <= count.max_tokens:
             out.append(((ps, pe), n))
             continue
@@ -110,14 +112,15 @@ def _pieces(count: _Counter, text: str) -> list[tuple[tuple[int, int], int]]:
     return out
 
 
-def chunk_spans(text: str, template, max_tokens: int = 512) -> list[tuple[int, int]]:
-    """(start, end) character offsets of each chunk of ``text`` (see ``chunk_document``)."""
+def chunk_spans(text: str, template, max_tokens: int = 512, progress=None) -> list[tuple[int, int]]:
+    """(start, end) character offsets of each chunk of ``text`` (see ``chunk_document``);
+    ``progress(chars)``, if given, hears how many characters were chunked so far."""
     if not isinstance(text, str):
         raise TypeError(f"chunk_document: text must be a string, got {type(text).__name__}")
     if not isinstance(max_tokens, int) or max_tokens < 16:
         raise ValueError(f"max_tokens must be an integer >= 16, got {max_tokens!r}")
     count = _Counter(text, template, max_tokens)
-    pieces = _pieces(count, text)
+    pieces = _pieces(count, text, progress)
     chunks: list[tuple[int, int]] = []
     i = 0
     while i < len(pieces):

@@ -51,11 +51,44 @@ def _shard(ctx, param, value):
         raise click.BadParameter(str(e)) from None
 
 
+def _model_options(f):
+    """--model/--model-dtype: which model computes, in which dtype (part of every key: writers and
+    readers of one store must agree)."""
+    f = click.option("--model-dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]), default="auto",
+                     show_default=True, help="auto = bfloat16 on a GPU or a CPU with native bf16, else float32")(f)
+    return click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+                        help="model name or local HuggingFace directory")(f)
+
+
+def _engine(model_name: str, model_dtype: str, store, config=None, sink="template", gap=None, namespace="",
+            storage=None):
+    """The BlendEngine every command builds from its options (model errors are clear, not tracebacks)."""
+    from ragkv import models
+    from ragkv.blend import BlendEngine
+    from ragkv.policy import PrecomputePolicy
+
+    try:
+        model, tok = models.load(model_name, dtype=model_dtype)
+    except models.ModelNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    return BlendEngine(model, tok, store, config, policy=PrecomputePolicy(sink, gap), storage=storage,
+                       namespace=namespace)
+
+
+def _check_store(store) -> None:
+    """A clear error (exit 1) when the store cannot be used at all (unreachable, wrong password, ...)."""
+    from ragkv.store import StoreError
+
+    try:
+        store.check()
+    except StoreError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="model name or local HuggingFace directory")
+@_model_options
 @click.option("--chunk-tokens", default=512, show_default=True, type=click.IntRange(16, None),
               help="max cached tokens per chunk")
 @click.option("--dtype", "storage_dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
@@ -67,37 +100,48 @@ def _shard(ctx, param, value):
               help="padded tokens per forward")
 @click.option("--shard", callback=_shard, default=None, metavar="I/N",
               help="only chunks whose key is in shard I of N (split one corpus over N machines)")
+@click.option("--allow-eviction", is_flag=True,
+              help="write even when the planned entries exceed a tier's max_bytes (they evict each other)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="progress bar on stderr")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="progress bars on stderr")
 @_policy_options
-def precompute(paths, store_uri, model_name, chunk_tokens, storage_dtype, quant_axis, namespace,
-               batch_tokens, shard, as_json, progress, sink, gap):
+def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_dtype, quant_axis, namespace,
+               batch_tokens, shard, allow_eviction, as_json, progress, sink, gap):
     """Chunk, prefill and store documents: .txt/.md files, .jsonl (field "text"), folders (recursive).
 
-    Idempotent: chunks already in the store are skipped, so a killed run just runs again. Files that
-    are binary, empty or not UTF-8 are reported and skipped. Exit status 1 when a chunk failed.
-    """
-    from pathlib import Path
+    Idempotent: chunks already in the store are skipped (and copied into tiers that lack them), so a
+    killed run just runs again. Files that are binary, empty or not UTF-8 are reported and skipped.
 
-    from ragkv import models
-    from ragkv.policy import PrecomputePolicy
+    \b
+    Exit status: 0 every chunk stored; 1 some chunk failed, or the job stopped early after repeated
+    write failures (the summary says how to resume); 2 bad usage, no document could be read, or the
+    corpus cannot fit the store's budget.
+    """
+    from ragkv.policy import StorageFormat
+    from ragkv.precompute import OverBudget
     from ragkv.precompute import precompute as run
 
-    if quant_axis is not None and storage_dtype != "int8":
-        raise click.BadParameter("only meaningful with --dtype int8", param_hint="--quant-axis")
-    store = _open_store(store_uri)
     try:
-        model, tok = models.load(model_name)
-    except FileNotFoundError as e:
-        raise click.ClickException(str(e)) from None
+        storage = StorageFormat(storage_dtype, quant_axis)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--quant-axis") from None
+    store = _open_store(store_uri)
     with store:
-        summary = run([Path(p) for p in paths], model, tok, store, chunk_tokens, storage_dtype=storage_dtype,
-                      quant_axis=quant_axis, namespace=namespace, batch_tokens=batch_tokens, shard=shard,
-                      policy=PrecomputePolicy(sink, gap), progress=progress)
+        _check_store(store)
+        engine = _engine(model_name, model_dtype, store, sink=sink, gap=gap, namespace=namespace, storage=storage)
+        try:
+            summary = run(engine, paths=list(paths), chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
+                          shard=shard, allow_eviction=allow_eviction, progress=progress)
+        except OverBudget as e:
+            click.echo(f"Error: {e}", err=True)
+            sys.exit(2)
     click.echo(summary.describe(), err=True)
     if as_json:
         click.echo(json.dumps(summary.as_dict()))
-    if summary.failed:
+    if summary.docs == 0:
+        click.echo("Error: no document could be read from " + ", ".join(paths) + " (see the reasons above)", err=True)
+        sys.exit(2)
+    if summary.failed or summary.stopped:
         sys.exit(1)
 
 
@@ -168,59 +212,109 @@ def evict(store_uri, max_bytes):
             click.echo(f"{tier.uri}: evicted {n} entries", err=True)
 
 
+def _writable(path: str) -> str:
+    """Fail before a long run, not after it, when a report cannot be written to ``path``."""
+    p = Path(path)
+    if p.is_dir():
+        raise click.BadParameter(f"{path} is a directory", param_hint="--json")
+    if not p.parent.is_dir():
+        raise click.BadParameter(f"directory {p.parent} does not exist", param_hint="--json")
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {path}: {e.strerror or e}", param_hint="--json") from None
+    return path
+
+
+def _ratios(text: str) -> list:
+    from ragkv.blend import check_ratio
+
+    try:
+        out = [check_ratio("auto" if r.strip() == "auto" else float(r)) for r in text.split(",") if r.strip()]
+    except ValueError as e:
+        raise click.BadParameter(f"{e} (in {text!r})", param_hint="--ratios") from None
+    if not out:
+        raise click.BadParameter("give at least one ratio", param_hint="--ratios")
+    return out
+
+
+def _selectors(names: str, signal: str, check_layers: str | None) -> list:
+    """Selector instances for --selectors; --signal/--check-layers configure the deviation selector."""
+    from ragkv.blend.select import SELECTORS, DeviationSelector
+
+    out = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        if name not in SELECTORS:
+            raise click.BadParameter(f"unknown selector {name!r}; valid: {', '.join(SELECTORS)}",
+                                     param_hint="--selectors")
+        if name == DeviationSelector.name:
+            try:
+                layers = None if check_layers is None else tuple(int(x) for x in check_layers.split(",") if x.strip())
+                out.append(DeviationSelector(check_layers=layers, signal=signal))
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--check-layers") from None
+        else:
+            out.append(SELECTORS[name]())
+    if not out:
+        raise click.BadParameter("give at least one selector", param_hint="--selectors")
+    return out
+
+
 @main.command("eval")
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL: one {question, contexts: [chunk, ...], answer?} per line.")
-@click.option("--model", default="smollm2-135m", show_default=True, help="Model name or local HF directory.")
+@_model_options
 @click.option("--store", "store_uris", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
 @click.option("--ratios", default="0,0.15,0.3,1", show_default=True,
-              help="Comma-separated recompute ratios; 'auto' = the loading controller's choice (>= 0.15).")
-@click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True)
-@click.option("--check-layers", default=None, help="Comma-separated check layers (default: 1,3,6 gradual).")
+              help="Comma-separated recompute ratios; 'auto' = the loading controller's choice.")
+@click.option("--selectors", default="deviation", show_default=True,
+              help="Comma-separated selection strategies, measured side by side.")
+@click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True,
+              help="deviation selector: which deviation scores tokens.")
+@click.option("--check-layers", default=None, help="deviation selector: check layers (default: 1,3,6 gradual).")
 @_policy_options
-@click.option("--tokens", "n_tokens", default=32, show_default=True, help="Answer tokens scored for fidelity.")
-@click.option("--repeats", default=1, show_default=True, help="Timed runs per method and question (median).")
+@click.option("--tokens", "n_tokens", default=32, show_default=True, type=click.IntRange(1, None),
+              help="Answer tokens scored for fidelity.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, None),
+              help="Timed runs per method and question (median).")
 @click.option("--namespace", default="", help="Cache namespace (salt).")
-@click.option("--json", "json_out", default=None, type=click.Path(dir_okay=False), help="Also write the report here.")
-def eval_cmd(questions_path, model, store_uris, ratios, signal, check_layers, sink, gap, n_tokens, repeats,
-             namespace, json_out):
-    """Measure how faithful blending is to full prefill on your own questions."""
-    from ragkv import models
-    from ragkv.blend import BlendConfig, BlendEngine
-    from ragkv.evaluate import evaluate, format_table, load_questions
-    from ragkv.policy import PrecomputePolicy
+@click.option("--json", "json_out", default=None, callback=lambda c, p, v: v and _writable(v),
+              help="Also write the report here.")
+def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, selectors, signal, check_layers, sink, gap, n_tokens,
+             repeats, namespace, json_out):
+    """Measure how faithful blending is to full prefill on your own questions.
 
-    try:
-        ratio_list = [r.strip() if r.strip() == "auto" else float(r) for r in ratios.split(",") if r.strip()]
-        layers = None if check_layers is None else tuple(int(x) for x in check_layers.split(",") if x.strip())
-    except ValueError as e:
-        raise click.BadParameter(f"--ratios/--check-layers: {e}") from None
-    if not ratio_list or any(r != "auto" and not 0 <= r <= 1 for r in ratio_list):
-        raise click.BadParameter("--ratios must be numbers in [0, 1] or 'auto'")
+    Exit status 1 when some question could not be evaluated (the others are reported)."""
+    from ragkv.blend import BlendConfig
+    from ragkv.evaluate import evaluate, format_table, load_questions
+
+    ratio_list = _ratios(ratios)
+    sels = _selectors(selectors, signal, check_layers)
     try:
         qs = load_questions(questions_path)
-        config = BlendConfig(signal=signal, check_layers=layers)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    try:
-        m, tok = models.load(model)
-    except models.ModelNotFoundError as e:
-        raise click.ClickException(str(e)) from None
     store = _open_store(store_uris)
-    engine = BlendEngine(m, tok, store, config=config, policy=PrecomputePolicy(sink, gap), namespace=namespace)
+    _check_store(store)
+    engine = _engine(model_name, model_dtype, store, BlendConfig(selector=sels[0]), sink=sink, gap=gap,
+                     namespace=namespace)
 
     def progress(i, n):
         click.echo(f"  question {i}/{n}", err=True)
 
     try:
-        report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, repeats=repeats, progress=progress)
-    except ValueError as e:
+        report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, repeats=repeats, progress=progress,
+                          selectors=sels)
+    except ValueError as e:  # e.g. a check layer beyond the model's depth
         raise click.ClickException(str(e)) from None
-    report["model"], report["store"] = model, store.uri
+    report["model"], report["model_dtype"], report["store"] = model_name, str(engine.adapter.dtype), store.uri
     click.echo(format_table(report))
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
         click.echo(f"report written to {json_out}", err=True)
+    if report["errors"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,40 +1,41 @@
 """The write path: chunk a corpus, prefill every chunk under the engine's precompute policy, store it.
 
-    sources -> documents     .txt/.md files, .jsonl (one document per line, field "text"), folders
-                             (recursive), or texts given directly; unreadable files are reported
-                             and skipped, never fatal
-    documents -> plan        chunk_document (THE chunker) -> template.chunk_ids -> key; keep the
-                             keys of this shard, drop duplicates and keys already in the store
-    plan -> store            batches of similar lengths through prefill_kv (one forward each); the
-                             entries are encoded and written on a background thread while the next
-                             batch computes
+    sources -> documents     ragkv.sources: files, folders, .jsonl, texts; what cannot be used is
+                             reported, never fatal
+    documents -> plan        chunk_spans (THE chunker) -> template.chunk_ids -> key; keep the keys of
+                             this shard, drop duplicates; a chunk every tier holds is skipped, one
+                             that only some tiers hold is copied into the others (``repaired``)
+    budget                   the planned bytes against each bounded tier's ``max_bytes``: a corpus
+                             that cannot fit is refused before any compute (``allow_eviction``)
+    plan -> store            batches of similar lengths (policy.batches) through the engine's
+                             prefill, one forward each; entries encoded and written on a background
+                             thread while the next batch computes (engine.write_entry)
 
-Keys and entry metadata come from a ``BlendEngine`` on the same model/tokenizer/store, so a chunk
-written here is exactly what the read path looks up. Idempotent: a second run (or a run restarted
-after ``kill -9``: the stores write atomically) computes only what is missing.
+Keys, policy and encoding come from the ``BlendEngine`` the job is given, so a chunk written here is
+exactly what the read path looks up. Idempotent: a second run (or one restarted after ``kill -9``:
+the stores write atomically) computes only what is missing. Repeated write failures of one cause
+(disk full, store directory gone, Redis down) stop the job early with what was saved.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from ragkv.blend import BlendConfig, BlendEngine
-from ragkv.chunking import chunk_document
+from ragkv.blend import BlendEngine
+from ragkv.chunking import chunk_spans
 from ragkv.keys import KEY_PREFIX
-from ragkv.policy import PrecomputePolicy
+from ragkv.policy import batches
+from ragkv.sources import Report, read_documents
 from ragkv.store.entry import encode
 
-TEXT_SUFFIXES = (".txt", ".md")
-JSONL_SUFFIXES = (".jsonl",)
 _MAX_REPORTED_ERRORS = 20
+STOP_AFTER = 3  # consecutive write failures of one cause that stop the job
 
 
 @dataclass
@@ -42,13 +43,16 @@ class PrecomputeSummary:
     docs: int = 0  # documents read (a .jsonl line is one document)
     chunks: int = 0  # distinct chunks of this shard
     new: int = 0  # chunks computed and written by this run
-    skipped: int = 0  # chunks already in the store (or written meanwhile by another process)
+    skipped: int = 0  # chunks every tier already held (or written meanwhile by another process)
+    repaired: int = 0  # chunks copied from one tier into the tiers that lacked them
     failed: int = 0  # chunks whose prefill or write failed
     tokens: int = 0  # cached tokens of the new chunks
     bytes_written: int = 0
+    planned_bytes: int = 0  # estimated bytes of the chunks to compute, before computing
     seconds: float = 0.0
     tokens_per_s: float = 0.0  # tokens / seconds (the whole run: reading, chunking, prefill, writes)
     shard: str | None = None
+    stopped: str | None = None  # why the job stopped before the end, and how to resume
     files_skipped: list[dict] = field(default_factory=list)  # {"path", "reason"}
     bad_lines: list[dict] = field(default_factory=list)  # {"path", "line", "reason"} of .jsonl files
     errors: list[str] = field(default_factory=list)  # the first few failures, for the operator
@@ -59,17 +63,27 @@ class PrecomputeSummary:
     def describe(self) -> str:
         lines = [
             f"docs {self.docs}  chunks {self.chunks}  new {self.new}  skipped {self.skipped}  "
-            f"failed {self.failed}" + (f"  (shard {self.shard})" if self.shard else ""),
+            f"repaired {self.repaired}  failed {self.failed}" + (f"  (shard {self.shard})" if self.shard else ""),
             f"{self.tokens} tokens, {self.bytes_written / 2**20:.1f} MiB written in {self.seconds:.1f} s "
             f"({self.tokens_per_s:.0f} tokens/s)",
         ]
         for f in self.files_skipped:
-            lines.append(f"skipped file {f['path']}: {f['reason']}")
+            lines.append(f"skipped {f['path']}: {f['reason']}")
         if self.bad_lines:
             lines.append(f"{len(self.bad_lines)} bad .jsonl line(s) skipped, e.g. "
                          f"{self.bad_lines[0]['path']}:{self.bad_lines[0]['line']}: {self.bad_lines[0]['reason']}")
         lines.extend(f"error: {e}" for e in self.errors)
+        if self.stopped:
+            lines.append(f"STOPPED: {self.stopped}")
         return "\n".join(lines)
+
+    def note(self, msg: str) -> None:
+        if len(self.errors) < _MAX_REPORTED_ERRORS:
+            self.errors.append(msg)
+
+
+class OverBudget(ValueError):
+    """The planned entries cannot fit a bounded tier: they would evict each other."""
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -95,104 +109,86 @@ def key_shard(key: str, n: int) -> int:
     return int(key.removeprefix(KEY_PREFIX), 16) % n
 
 
-def _decode_file(raw: bytes) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason)."""
-    if not raw.strip():
-        return None, "empty"
-    if b"\x00" in raw[:8192]:
-        return None, "binary (NUL bytes)"
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        return None, f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
-    if not text.strip():
-        return None, "empty"
-    return text, None
+def entry_bytes(engine: BlendEngine):
+    """f(n_tokens) -> bytes of one entry this engine writes (a linear fit of two encoded entries)."""
+    import torch
+
+    a = engine.adapter
+    sizes = []
+    for n in (16, 32):
+        kv = [(torch.zeros(a.num_kv_heads, n, a.head_dim),) * 2 for _ in range(a.num_layers)]
+        meta = engine.entry_meta(KEY_PREFIX + "0" * 64, [0] * n, engine.chunk_start, engine.policy_id)
+        sizes.append(encode(meta, kv).nbytes)
+    per_token = (sizes[1] - sizes[0]) / 16
+    return lambda n: int(sizes[0] + per_token * (n - 16))
 
 
-def _walk(path: Path) -> Iterable[Path]:
-    if path.is_dir():
-        for root, dirs, files in os.walk(path):
-            dirs.sort()
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in sorted(files):
-                if not name.startswith("."):
-                    yield Path(root) / name
-    else:
-        yield path
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
 
 
-def read_documents(sources: Iterable[str | os.PathLike], summary: PrecomputeSummary) -> list[tuple[str, str]]:
-    """(doc id, text) of every source. ``Path`` objects are files or folders; ``str`` items are
-    document texts. Unusable files go to ``summary.files_skipped``, bad .jsonl lines to
-    ``summary.bad_lines``."""
-    docs: list[tuple[str, str]] = []
-    for n, src in enumerate(sources):
-        if isinstance(src, str):
-            if src.strip():
-                docs.append((f"<text {n}>", src))
+# ----------------------------------------------------------------------------- plan
+
+
+def _tiers_missing(store, key: str) -> tuple[int, int]:
+    """(tiers lacking a valid entry, tiers) for one key."""
+    tiers = getattr(store, "tiers", [store])
+    return len(store.missing_tiers(key)), len(tiers)
+
+
+def plan(engine: BlendEngine, docs, chunk_tokens: int, shard, summary: PrecomputeSummary, bar=None):
+    """Chunk every document and decide per chunk: skip, repair (copy between tiers) or compute."""
+    template, store = engine.template, engine.store
+    seen: set[str] = set()
+    todo: list[tuple[str, list[int]]] = []
+    done_chars = 0
+    for doc_id, text in docs:
+        try:
+            spans = chunk_spans(text, template, chunk_tokens,
+                                progress=None if bar is None else lambda c, d=done_chars: bar.update(d + c - bar.n))
+        except Exception as e:  # one pathological document must not stop the corpus
+            summary.failed += 1
+            summary.note(f"chunking {doc_id}: {type(e).__name__}: {e}")
+            continue
+        done_chars += len(text)
+        if bar is not None:
+            bar.update(done_chars - bar.n)
+            bar.set_postfix_str(f"{len(seen)} chunks", refresh=False)
+        for s, e in spans:
+            ids = template.chunk_ids(text[s:e])
+            key = engine.chunk_key(ids)
+            if (shard and key_shard(key, shard[1]) != shard[0]) or key in seen:
+                continue
+            seen.add(key)
+            lacking, tiers = _tiers_missing(store, key)
+            if lacking == 0:
+                summary.skipped += 1
+            elif lacking < tiers and store.fill(key):
+                summary.repaired += 1
             else:
-                summary.files_skipped.append({"path": f"<text {n}>", "reason": "empty"})
+                todo.append((key, ids))
+    summary.chunks = len(seen)
+    return todo
+
+
+def check_budget(engine: BlendEngine, todo, summary: PrecomputeSummary, allow_eviction: bool) -> None:
+    """Refuse (OverBudget) a plan whose entries cannot fit a bounded tier of the store."""
+    size = entry_bytes(engine)
+    summary.planned_bytes = sum(size(len(ids)) for _, ids in todo)
+    for tier in getattr(engine.store, "tiers", [engine.store]):
+        limit = getattr(tier, "max_bytes", None)
+        if limit is None or summary.planned_bytes <= limit or allow_eviction:
             continue
-        root = Path(src)
-        if not root.exists():
-            summary.files_skipped.append({"path": str(root), "reason": "no such file or directory"})
-            continue
-        for p in _walk(root):
-            suffix = p.suffix.lower()
-            if suffix not in TEXT_SUFFIXES + JSONL_SUFFIXES:
-                summary.files_skipped.append({"path": str(p), "reason": f"unsupported type {suffix or '(none)'}"})
-                continue
-            try:
-                raw = p.read_bytes()
-            except OSError as e:
-                summary.files_skipped.append({"path": str(p), "reason": f"unreadable: {e.strerror or e}"})
-                continue
-            text, why = _decode_file(raw)
-            if text is None:
-                summary.files_skipped.append({"path": str(p), "reason": why})
-                continue
-            if suffix in TEXT_SUFFIXES:
-                docs.append((str(p), text))
-                continue
-            found = 0
-            for lineno, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    summary.bad_lines.append({"path": str(p), "line": lineno, "reason": f"invalid JSON: {e.msg}"})
-                    continue
-                t = obj.get("text") if isinstance(obj, dict) else None
-                if not isinstance(t, str) or not t.strip():
-                    summary.bad_lines.append({"path": str(p), "line": lineno,
-                                              "reason": 'no non-empty string field "text"'})
-                    continue
-                docs.append((f"{p}:{lineno}", t))
-                found += 1
-            if not found:
-                summary.files_skipped.append({"path": str(p), "reason": "no usable .jsonl line"})
-    summary.docs = len(docs)
-    return docs
-
-
-@dataclass
-class _Planned:
-    key: str
-    ids: list[int]
-
-
-def _batches(chunks: Sequence[_Planned], sink_len: int, batch_tokens: int) -> list[list[_Planned]]:
-    """Longest first; each batch fits ``batch_tokens`` padded tokens: what prefill_kv does in one
-    forward, so one prefill_kv call per batch = one forward."""
-    order = sorted(chunks, key=lambda c: -len(c.ids))
-    out, i = [], 0
-    while i < len(order):
-        n = max(1, batch_tokens // (sink_len + len(order[i].ids)))
-        out.append(order[i : i + n])
-        i += n
-    return out
+        dtype = engine.storage.resolve(engine.model_dtype)[0]
+        raise OverBudget(
+            f"this run would write ~{_size(summary.planned_bytes)} of K/V ({len(todo)} chunks stored as {dtype}) "
+            f"but {tier.uri} holds at most {_size(limit)}: new entries would evict each other. Store a smaller "
+            "dtype (--dtype int8 is ~4x smaller than float32), raise max_bytes, split the corpus (--shard) "
+            "over several stores, or pass --allow-eviction to write anyway")
 
 
 # ----------------------------------------------------------------------------- the job
@@ -200,16 +196,19 @@ def _batches(chunks: Sequence[_Planned], sink_len: int, batch_tokens: int) -> li
 
 class _Writer:
     """Encodes and writes entries on one background thread; ``submit`` blocks when ``depth`` batches
-    are already waiting (bounds memory)."""
+    are already waiting (bounds memory). ``stop_reason`` is set after STOP_AFTER consecutive write
+    failures of one cause; the job then stops submitting."""
 
     def __init__(self, engine: BlendEngine, summary: PrecomputeSummary, on_done, depth: int = 1):
         self.engine, self.summary, self.on_done = engine, summary, on_done
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.lock = threading.Lock()
+        self.stop_reason: str | None = None
+        self._streak: tuple[str, int] = ("", 0)
         self.thread = threading.Thread(target=self._run, name="ragkv-precompute-writer", daemon=True)
         self.thread.start()
 
-    def submit(self, batch: list[_Planned], kvs: list) -> None:
+    def submit(self, batch, kvs) -> None:
         while True:
             try:
                 return self.q.put((batch, kvs), timeout=1.0)
@@ -224,105 +223,78 @@ class _Writer:
 
     def _run(self) -> None:
         eng, s = self.engine, self.summary
-        start = eng.chunk_start
         while (item := self.q.get()) is not None:
             batch, kvs = item
-            for c, kv in zip(batch, kvs):
+            for (key, ids), kv in zip(batch, kvs):
+                if self.stop_reason:  # stopping: the rest is left for the rerun, not attempted
+                    break
                 try:
-                    enc = encode(eng.entry_meta(c.key, c.ids, start, eng.policy_id), kv)
-                    wrote = eng.store.put_encoded(c.key, enc)
-                    if not wrote and not eng.store.contains(c.key):  # e.g. every tier failed (logged)
+                    wrote = eng.write_entry(key, ids, kv)
+                    if not wrote and eng.store.missing_tiers(key):  # e.g. every tier failed (logged)
                         raise RuntimeError("the store took nothing (see its log)")
-                except Exception as e:  # a failed write never aborts the job
-                    with self.lock:
-                        s.failed += 1
-                        _note(s, f"write of {c.key}: {type(e).__name__}: {e}")
-                    self.on_done(1, 0)
+                except Exception as e:  # a failed write never aborts the job by itself
+                    self._failed(key, e)
                     continue
                 with self.lock:
+                    self._streak = ("", 0)
                     if wrote:
-                        s.new += 1
-                        s.tokens += len(c.ids)
-                        s.bytes_written += enc.nbytes
+                        s.new, s.tokens, s.bytes_written = s.new + 1, s.tokens + len(ids), s.bytes_written + wrote
                     else:
                         s.skipped += 1
-                self.on_done(1, len(c.ids) if wrote else 0)
+                self.on_done(1, len(ids) if wrote else 0)
             del kvs
 
-
-def _note(s: PrecomputeSummary, msg: str) -> None:
-    if len(s.errors) < _MAX_REPORTED_ERRORS:
-        s.errors.append(msg)
+    def _failed(self, key: str, e: Exception) -> None:
+        cause = type(e).__name__ + str(getattr(e.__cause__, "errno", "") or "")
+        with self.lock:
+            self.summary.failed += 1
+            self.summary.note(f"write of {key}: {type(e).__name__}: {e}")
+            n = self._streak[1] + 1 if self._streak[0] == cause else 1
+            self._streak = (cause, n)
+            if n >= STOP_AFTER and self.stop_reason is None:
+                self.stop_reason = f"{n} writes in a row failed with {type(e).__name__}: {e}"
+        self.on_done(1, 0)
 
 
 def precompute(
-    paths_or_texts: Iterable[str | os.PathLike] | str | os.PathLike,
-    model,
-    tokenizer,
-    store,
-    chunk_tokens: int = 512,
+    engine: BlendEngine,
+    paths: Iterable[str | os.PathLike] = (),
+    texts: Iterable[str] = (),
     *,
-    storage_dtype: str | None = None,
-    quant_axis: str | None = None,
-    namespace: str = "",
+    chunk_tokens: int = 512,
     batch_tokens: int = 4096,
     shard: str | tuple[int, int] | None = None,
-    policy: PrecomputePolicy | None = None,
-    engine: BlendEngine | None = None,
+    allow_eviction: bool = False,
     progress: bool = False,
 ) -> PrecomputeSummary:
     """Chunk, prefill and store every document; return what was done.
 
-    ``paths_or_texts``: ``Path`` items are files/folders (.txt/.md/.jsonl), ``str`` items are
-    document texts. ``store``: a KVStore or a store URI. ``storage_dtype``/``quant_axis``: how
-    entries are stored (None: model dtype). ``shard`` 'I/N': only chunks whose key falls in shard I.
-    ``engine``: the read path's engine to take keys and policy from (default: one built from the
-    arguments, so that ``BlendEngine(model, tokenizer, store, namespace=namespace)`` finds them).
-    """
+    ``engine``: the read path's engine (model, tokenizer, store, policy, storage format, namespace):
+    chunks are keyed and encoded exactly as it looks them up. ``paths``: files and folders
+    (.txt/.md/.jsonl); ``texts``: document texts. ``shard`` 'I/N': only chunks whose key falls in
+    shard I. Raises OverBudget (before computing) when the chunks cannot fit a bounded tier, unless
+    ``allow_eviction``."""
     t0 = time.perf_counter()
     shard_t = parse_shard(shard)
-    if isinstance(paths_or_texts, (str, os.PathLike)):
-        paths_or_texts = [paths_or_texts]
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 16:
+        raise ValueError(f"chunk_tokens must be an integer >= 16, got {chunk_tokens!r}")
     if batch_tokens < 1:
         raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
-    if isinstance(store, str):
-        from ragkv.store import open_store
-
-        store = open_store(store)
-    if engine is None:
-        cfg = BlendConfig(storage_dtype=storage_dtype, quant_axis=quant_axis)
-        engine = BlendEngine(model, tokenizer, store, config=cfg, policy=policy, namespace=namespace)
-        engine.entry_meta(KEY_PREFIX + "0" * 64, [0], 0, engine.policy_id)  # bad dtype/axis: fail before work
     summary = PrecomputeSummary(shard=None if shard_t is None else f"{shard_t[0]}/{shard_t[1]}")
-    docs = read_documents(paths_or_texts, summary)
+    report = Report(summary.files_skipped, summary.bad_lines)
+    docs = read_documents(paths, texts, report)
+    summary.docs = len(docs)
 
-    # plan: chunk, key, shard, dedupe, skip what the store has
-    template, seen, todo = engine.template, set(), []
-    for doc_id, text in docs:
-        try:
-            chunks = chunk_document(text, template, chunk_tokens)
-        except Exception as e:  # one pathological document must not stop the corpus
-            summary.failed += 1
-            _note(summary, f"chunking {doc_id}: {type(e).__name__}: {e}")
-            continue
-        for chunk in chunks:
-            ids = template.chunk_ids(chunk)
-            key = engine.chunk_key(ids)
-            if (shard_t and key_shard(key, shard_t[1]) != shard_t[0]) or key in seen:
-                continue
-            seen.add(key)
-            if store.contains(key):
-                summary.skipped += 1
-            else:
-                todo.append(_Planned(key, ids))
-    summary.chunks = len(seen)
+    bar = _bar(progress, sum(len(t) for _, t in docs), "planning", "char")
+    try:
+        todo = plan(engine, docs, chunk_tokens, shard_t, summary, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    check_budget(engine, todo, summary, allow_eviction)
+    skipped_at_plan = summary.skipped
 
-    bar = None
-    if progress and todo:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), unit="chunk", desc="precompute", file=sys.stderr, mininterval=0.5,
-                   dynamic_ncols=True)
+    bar = _bar(progress and bool(todo), len(todo), "precompute", "chunk")
     t_compute, tok_done = time.perf_counter(), [0]
 
     def on_done(n_chunks: int, n_tokens: int) -> None:
@@ -334,13 +306,16 @@ def precompute(
 
     writer = _Writer(engine, summary, on_done)
     try:
-        for batch in _batches(todo, len(engine.sink_ids), batch_tokens):
+        for group in batches([len(ids) for _, ids in todo], len(engine.sink_ids), batch_tokens):
+            if writer.stop_reason:
+                break
+            batch = [todo[i] for i in group]
             try:
-                kvs = engine.prefill_chunks([c.ids for c in batch], batch_tokens)
+                kvs = engine.prefill_chunks([ids for _, ids in batch], batch_tokens)
             except Exception as e:
                 with writer.lock:
                     summary.failed += len(batch)
-                    _note(summary, f"prefill of {len(batch)} chunks: {type(e).__name__}: {e}")
+                    summary.note(f"prefill of {len(batch)} chunks: {type(e).__name__}: {e}")
                 on_done(len(batch), 0)
                 continue
             writer.submit(batch, kvs)
@@ -349,6 +324,19 @@ def precompute(
         writer.close()
         if bar is not None:
             bar.close()
+    if writer.stop_reason:
+        left = len(todo) - summary.new - summary.failed - summary.skipped + skipped_at_plan
+        summary.stopped = (f"{writer.stop_reason}. {summary.new} chunks were saved, {left} not attempted; fix "
+                           "the cause and rerun the same command to resume (stored chunks are skipped)")
     summary.seconds = time.perf_counter() - t0
     summary.tokens_per_s = summary.tokens / summary.seconds if summary.seconds > 0 else 0.0
     return summary
+
+
+def _bar(enabled: bool, total: int, desc: str, unit: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, file=sys.stderr, mininterval=0.5,
+                dynamic_ncols=True)

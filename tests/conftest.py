@@ -40,6 +40,26 @@ def smollm2_template(smollm2_tokenizer):
     return PromptTemplate.for_tokenizer(smollm2_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_smollm2(smollm2_tokenizer):
+    """(tiny random Llama, SmolLM2's tokenizer): real text, real chat template, a model that runs in
+    milliseconds. For tests of plumbing around the model; quality claims need the real ``smollm2``."""
+    tok = smollm2_tokenizer
+    model = models.tiny_model("llama", vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_dir(tiny_smollm2, tmp_path_factory):
+    """``tiny_smollm2`` saved as a local HF model directory: what ``--model DIR`` loads in CLI tests."""
+    model, tok = tiny_smollm2
+    d = tmp_path_factory.mktemp("tiny-smollm2")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
 @pytest.fixture(params=["llama", "mistral", "qwen2"])
 def tiny(request):
     return models.tiny_model(request.param)

@@ -1,6 +1,6 @@
 """The write path (ragkv.precompute, `ragkv precompute`): reading sources, idempotence, keys equal to
-the read path's, shards, kill -9 + restart, Redis. Model tests use the real SmolLM2 on the four
-example documents (~1.2k tokens)."""
+the read path's, shards, kill -9 + restart, Redis. Plumbing tests use a tiny random model with
+SmolLM2's tokenizer (``tiny_smollm2``); one end-to-end test runs the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from redis_server import start_or_skip
 from ragkv.blend import BlendEngine
 from ragkv.chunking import chunk_document
 from ragkv.cli import main
-from ragkv.precompute import PrecomputeSummary, key_shard, parse_shard, precompute, read_documents
+from ragkv.policy import StorageFormat
+from ragkv.precompute import key_shard, parse_shard, precompute
+from ragkv.sources import Report, read_documents
 from ragkv.store import open_store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,11 +78,11 @@ def test_key_shard_stable():
 
 
 def test_read_documents_reports_bad_files(corpus):
-    s = PrecomputeSummary()
-    docs = read_documents([corpus, corpus / "missing.md", "an inline text", "  "], s)
+    s = Report()
+    docs = read_documents([corpus, corpus / "missing.md"], ["an inline text", "  "], s)
     names = {Path(d.split(":")[0]).name for d, _ in docs if not d.startswith("<")}
     assert names == {p.name for p in DOCS} | {"more.jsonl"}
-    assert s.docs == len(DOCS) + 2 + 1  # 4 files, 2 good .jsonl lines, 1 inline text
+    assert len(docs) == len(DOCS) + 2 + 1  # 4 files, 2 good .jsonl lines, 1 inline text
     reasons = {Path(f["path"]).name: f["reason"] for f in s.files_skipped}
     assert reasons["blob.txt"].startswith("binary") and reasons["empty.md"] == "empty"
     assert reasons["latin1.txt"].startswith("not UTF-8") and "no such file" in reasons["missing.md"]
@@ -117,14 +119,14 @@ def test_cli_disk_idempotent_stats_and_engine_keys(corpus, tmp_path, smollm2):
         assert res.stats.misses == 0 and res.stats.hits == 3
 
 
-@pytest.mark.slow
-def test_shards_cover_every_chunk_once(smollm2):
-    model, tok = smollm2
+def test_shards_cover_every_chunk_once(tiny_smollm2):
+    model, tok = tiny_smollm2
     texts = [p.read_text() for p in DOCS[:2]]
     halves = []
     for i in range(2):
         store = open_store("memory")
-        s = precompute(texts, model, tok, store, chunk_tokens=96, shard=f"{i}/2", storage_dtype="int8")
+        engine = BlendEngine(model, tok, store, storage=StorageFormat("int8"))
+        s = precompute(engine, texts=texts, chunk_tokens=96, shard=f"{i}/2")
         assert s.failed == 0 and s.new == s.chunks == len(list(store.keys()))
         halves.append(set(store.keys()))
     engine = BlendEngine(model, tok, open_store("memory"))
@@ -151,7 +153,7 @@ def test_kill9_mid_run_then_rerun(corpus, tmp_path, smollm2):
     model, tok = smollm2
     with open_store(f"disk://{root}") as store:
         before = len(list(store.keys()))
-        s = precompute([corpus], model, tok, store, chunk_tokens=64)
+        s = precompute(BlendEngine(model, tok, store), paths=[corpus], chunk_tokens=64)
         assert s.failed == 0 and s.skipped >= before >= 1 and s.new >= 1
         keys = list(store.keys())
         assert len(keys) == s.chunks
@@ -159,8 +161,7 @@ def test_kill9_mid_run_then_rerun(corpus, tmp_path, smollm2):
         assert store.stats()["corruptions"] == 0
 
 
-@pytest.mark.slow
-def test_failed_writes_are_counted_not_fatal(smollm2):
+def test_failed_writes_are_counted_not_fatal(tiny_smollm2):
     from ragkv.store import StoreError
     from ragkv.store.memory import MemoryStore
 
@@ -168,9 +169,10 @@ def test_failed_writes_are_counted_not_fatal(smollm2):
         def _store(self, key, enc, layout, owned):
             raise StoreError("disk on fire")
 
-    model, tok = smollm2
-    s = precompute(["A short note about lighthouses.", "Another one, about sourdough."], model, tok, Broken())
+    model, tok = tiny_smollm2
+    s = precompute(BlendEngine(model, tok, Broken()), texts=["A short note about lighthouses.", "Another one."])
     assert s.chunks == 2 and s.failed == 2 and s.new == 0 and "disk on fire" in s.errors[0]
+    assert s.stopped is None  # two failures in a row do not stop a job
 
 
 # ----------------------------------------------------------------------------- redis
@@ -224,3 +226,80 @@ def test_cli_redis_twice(redis_uri, tmp_path, smollm2):
         texts = _chunk_texts(tok, DOCS[:1], 128)
         keys = [engine.chunk_key(engine.template.chunk_ids(t)) for t in texts]
         assert set(keys) == set(store.keys()) and all(store.get(k) is not None for k in keys)
+
+
+# ----------------------------------------------------------------------------- trust: inputs, budget, failures
+
+
+def test_paths_and_texts_are_separate_arguments(tiny_smollm2, tmp_path):
+    model, tok = tiny_smollm2
+    engine = BlendEngine(model, tok, open_store("memory"))
+    with pytest.raises(TypeError, match="paths and texts are lists"):
+        precompute(engine, str(tmp_path))  # a bare string was once indexed as the literal text "/tmp/..."
+    (tmp_path / "a.md").write_text("A document about lighthouses and their keepers.")
+    s = precompute(engine, paths=[str(tmp_path)], texts=["An inline document about bread."])
+    assert s.docs == 2 and s.new == 2 and s.failed == 0
+
+
+@pytest.mark.parametrize("setup", ["missing", "empty dir", "binary only"])
+def test_a_run_that_read_nothing_exits_non_zero(tmp_path, tiny_smollm2_dir, setup):
+    src = tmp_path / "src"
+    if setup != "missing":
+        src.mkdir()
+    if setup == "binary only":
+        (src / "x.txt").write_bytes(b"\x00\x01\x02" * 50)
+    r = CliRunner().invoke(main, ["precompute", str(src), "--store", f"disk://{tmp_path / 's'}", "--model",
+                                  str(tiny_smollm2_dir), "--no-progress", "--json"])
+    assert r.exit_code == 2, r.output
+    assert "no document could be read" in r.stderr and "Traceback" not in r.output
+
+
+def test_a_corpus_over_the_store_budget_is_refused_before_computing(tmp_path, tiny_smollm2_dir, tiny_smollm2):
+    from ragkv.precompute import OverBudget
+
+    model, tok = tiny_smollm2
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"{i}.md").write_text(f"Document {i}. " + "Some words about topic %d. " % i * 60)
+    engine = BlendEngine(model, tok, open_store(f"disk://{tmp_path / 's'}?max_bytes=1M"))
+    with pytest.raises(OverBudget, match=r"would write ~.* holds at most 1.0 MiB.*--dtype int8"):
+        precompute(engine, paths=[docs], chunk_tokens=256)
+    assert list(engine.store.keys()) == []  # refused before any compute or write
+    r = CliRunner().invoke(main, ["precompute", str(docs), "--store", f"disk://{tmp_path / 's'}?max_bytes=1M",
+                                  "--model", str(tiny_smollm2_dir), "--no-progress", "--chunk-tokens", "256"])
+    assert r.exit_code == 2 and "holds at most" in r.stderr
+    r = CliRunner().invoke(main, ["precompute", str(docs), "--store", f"disk://{tmp_path / 's'}?max_bytes=1M",
+                                  "--model", str(tiny_smollm2_dir), "--no-progress", "--chunk-tokens", "256",
+                                  "--allow-eviction"])
+    assert r.exit_code == 0, r.output
+
+
+def test_repeated_write_failures_stop_the_job_with_what_was_saved(tiny_smollm2):
+    import errno
+
+    from ragkv.store import StoreFull
+    from ragkv.store.memory import MemoryStore
+
+    class FillsUp(MemoryStore):
+        """Takes 2 entries, then every write fails with ENOSPC (a full disk)."""
+
+        def _store(self, key, enc, layout, owned):
+            if len(self._d) >= 2:
+                raise StoreFull("no space left on device") from OSError(errno.ENOSPC, "No space left on device")
+            return super()._store(key, enc, layout, owned)
+
+    model, tok = tiny_smollm2
+    texts = [f"Note number {i} is about a different thing entirely, number {i}." for i in range(30)]
+    s = precompute(BlendEngine(model, tok, FillsUp()), texts=texts, batch_tokens=64)
+    assert s.new == 2 and s.failed == 3  # stopped after three failures in a row, 25 never attempted
+    assert "3 writes in a row failed with StoreFull" in s.stopped and "rerun the same command" in s.stopped
+    assert "STOPPED" in s.describe()
+
+
+def test_planning_shows_progress_before_any_compute(tiny_smollm2, capsys):
+    model, tok = tiny_smollm2
+    text = "\n\n".join(f"Paragraph {i} says something about item {i}." for i in range(400))
+    precompute(BlendEngine(model, tok, open_store("memory")), texts=[text], chunk_tokens=64, progress=True)
+    err = capsys.readouterr().err
+    assert "planning" in err and err.index("planning") < err.index("precompute")

@@ -4,7 +4,7 @@
              --chunks chunks of --chunk-tokens (real text, no internet needed)
     plain    model.model(input_ids) over the same padded batches precompute runs (sink + chunk,
              longest first, --batch-tokens per forward); no store, nothing kept
-    ours     ragkv.precompute.precompute(chunk texts, ...) into a fresh disk store: re-chunking,
+    ours     ragkv.precompute.precompute(engine, texts=chunk texts) into a fresh disk store: re-chunking,
              tokenizing, keys, contains, prefill_kv, encode + fsync'd atomic writes (background thread)
     tokens/s counts chunk tokens (the cached ones) for both; the ratio is ours / plain.
 
@@ -25,7 +25,8 @@ import torch
 from ragkv import models
 from ragkv.blend import BlendEngine
 from ragkv.chunking import chunk_document
-from ragkv.precompute import _batches, _Planned, precompute
+from ragkv.policy import StorageFormat, batches
+from ragkv.precompute import precompute
 from ragkv.store import open_store
 
 MODULES = ("collections", "pathlib", "json", "argparse", "subprocess", "threading", "itertools", "functools",
@@ -48,16 +49,16 @@ def corpus_chunks(tok, n: int, chunk_tokens: int) -> list[str]:
 
 @torch.inference_mode()
 def plain_forward(model, engine, texts, batch_tokens: int) -> float:
-    planned = [_Planned("", engine.template.chunk_ids(t)) for t in texts]
+    planned = [engine.template.chunk_ids(t) for t in texts]
     sink = engine.sink_ids
     t0 = time.perf_counter()
-    for batch in _batches(planned, len(sink), batch_tokens):
-        width = len(sink) + len(batch[0].ids)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, c in enumerate(batch):
-            ids[row, : len(sink) + len(c.ids)] = torch.tensor([*sink, *c.ids])
+    for group in batches([len(c) for c in planned], len(sink), batch_tokens):
+        width = len(sink) + len(planned[group[0]])
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        for row, i in enumerate(group):
+            ids[row, : len(sink) + len(planned[i])] = torch.tensor([*sink, *planned[i]])
         model.model(input_ids=ids)
-    return sum(len(c.ids) for c in planned) / (time.perf_counter() - t0)
+    return sum(map(len, planned)) / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -81,8 +82,8 @@ def main() -> None:
         root = tempfile.mkdtemp(prefix="ragkv-bench-")
         try:
             with open_store(f"disk://{root}") as store:
-                s = precompute(texts, model, tok, store, args.chunk_tokens, batch_tokens=args.batch_tokens,
-                               storage_dtype=args.dtype)
+                eng = BlendEngine(model, tok, store, storage=StorageFormat(args.dtype))
+                s = precompute(eng, texts=texts, chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens)
             assert s.failed == 0 and s.new == len(texts), s.describe()
             ours.append(s.tokens_per_s)
             secs.append(s.seconds)
