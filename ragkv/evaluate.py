@@ -1,13 +1,16 @@
 """Faithfulness of blending to full prefill, measured on the user's own questions (``ragkv eval``).
 
 For each question (``{"question", "contexts": [chunk, ...], "answer"?}``) and each method — full
-prefill, and blending at each ratio (0 = naive reuse) — it measures:
-  ttft_s    request -> first-token logits, chunk K/V in the store, loading included (median)
-  fidelity  teacher-forced top-1 agreement with full prefill over the first ``n_tokens`` tokens of
-            full prefill's greedy answer (1.0 for full prefill by definition)
-  kl        KL(full || method) of the first generated token's distribution
-  f1        token F1 of the method's greedy answer against ``answer`` (when given)
-and the blend's time split (lookup, load, fuse/re-rotate, recompute).
+prefill, and blending with each selector at each ratio (0 = naive reuse) — it measures:
+  ttft_s     request -> first-token logits, chunk K/V in the store, loading included (median)
+  fidelity   teacher-forced top-1 agreement with full prefill over the first ``n_tokens`` tokens of
+             full prefill's greedy answer (1.0 for full prefill by definition)
+  same_answer  share of questions whose free-running greedy answer equals full prefill's over those
+             tokens; ``agree_tokens``: mean number of tokens before the first divergence
+  kl         KL(full || method) of the first generated token's distribution
+  f1         token F1 of the method's greedy answer against ``answer`` (when given)
+and the blend's time split (lookup, load, fuse/re-rotate, recompute). A question that cannot run
+(e.g. longer than the model's window) is reported in ``errors`` and the others go on.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from ragkv.blend import BlendEngine, BlendResult
+from ragkv.blend.select import Selector, make_selector
 
 
 @dataclass
@@ -84,23 +87,30 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def teacher_forced_agreement(model, res: BlendResult, target: torch.Tensor) -> float:
+def teacher_forced_agreement(adapter, res: BlendResult, target: torch.Tensor) -> float:
     """Fraction of positions where the method's greedy choice equals ``target`` (full prefill's greedy
     answer), feeding ``target`` itself as the continuation. Consumes ``res.cache``."""
     if target.numel() == 0:
         return 1.0
     ids = torch.cat([res.input_ids[0, -1:], target[:-1]])[None]
     past = res.cache.get_seq_length()
-    out = model(ids, cache=res.cache, use_cache=True,
-                position_ids=torch.arange(past, past + ids.shape[1], device=ids.device)[None])
-    pred = out.logits[0].argmax(-1)
-    return float((pred == target).float().mean())
+    logits, _ = adapter.forward(ids, res.cache, torch.arange(past, past + ids.shape[1], device=ids.device)[None])
+    return float((logits[0].argmax(-1) == target).float().mean())
+
+
+def agreeing_prefix(answer: torch.Tensor, target: torch.Tensor) -> int:
+    """Number of leading tokens of ``answer`` equal to ``target`` (at most len(target))."""
+    n = min(answer.numel(), target.numel())
+    diff = (answer[:n] != target[:n]).nonzero()
+    return int(diff[0, 0]) if diff.numel() else n
 
 
 @dataclass
 class MethodStats:
     ttft_s: list[float] = field(default_factory=list)
     fidelity: list[float] = field(default_factory=list)
+    same_answer: list[float] = field(default_factory=list)
+    agree_tokens: list[int] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     f1: list[float] = field(default_factory=list)
     split: dict[str, list[float]] = field(default_factory=dict)
@@ -108,11 +118,9 @@ class MethodStats:
     ratio: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
-        d = {
-            "ttft_s": statistics.median(self.ttft_s),
-            "fidelity": statistics.fmean(self.fidelity),
-            "kl": statistics.fmean(self.kl),
-        }
+        d = {"ttft_s": statistics.median(self.ttft_s), "fidelity": statistics.fmean(self.fidelity),
+             "same_answer": statistics.fmean(self.same_answer), "agree_tokens": statistics.fmean(self.agree_tokens),
+             "kl": statistics.fmean(self.kl)}
         if self.f1:
             d["f1"] = statistics.fmean(self.f1)
         for k, v in self.split.items():
@@ -120,7 +128,23 @@ class MethodStats:
         if self.recomputed:
             d["recomputed_tokens"] = statistics.fmean(self.recomputed)
             d["ratio"] = statistics.fmean(self.ratio)
+        d["per_question"] = {"fidelity": list(self.fidelity), "same_answer": list(self.same_answer),
+                             "ttft_s": list(self.ttft_s)}
         return d
+
+
+def methods_of(selectors: Sequence[Selector | str], ratios: Sequence[float | str]) -> dict[str, tuple]:
+    """label -> (selector, ratio). One selector: labelled by ratio alone ("0.15"); several:
+    "<selector>@<ratio>", with ratio 0 (naive reuse) and 1 (everything recomputed) run once."""
+    sels = [make_selector(s) for s in selectors]
+    if not sels:
+        raise ValueError("give at least one selector")
+    out: dict[str, tuple] = {}
+    for r in ratios:
+        shared = len(sels) == 1 or r in (0, 1)
+        for sel in sels[:1] if shared else sels:
+            out[_label(r) if shared else f"{sel.name}@{_label(r)}"] = (sel, r)
+    return out
 
 
 def evaluate(
@@ -131,59 +155,80 @@ def evaluate(
     max_new_tokens: int = 32,
     repeats: int = 1,
     progress=None,
+    selectors: Sequence[Selector | str] | None = None,
 ) -> dict:
     """Run every method on every question; return ``{"methods": {"full": {...}, "0.15": {...}}, ...}``."""
-    model = engine.model
-    methods = {"full": MethodStats(), **{_label(r): MethodStats() for r in ratios}}
+    if repeats < 1 or n_tokens < 1 or max_new_tokens < 1:
+        raise ValueError("repeats, n_tokens and max_new_tokens must be >= 1")
+    methods = methods_of(selectors or [engine.config.selector], ratios)
+    for selector, _ in methods.values():
+        selector.check(engine.adapter.num_layers)
+    stats = {"full": MethodStats(), **{label: MethodStats() for label in methods}}
+    errors = []
+    n_new = max(n_tokens, max_new_tokens)
     for qi, q in enumerate(questions):
-        engine.ensure(q.contexts)  # precompute what is missing: not timed
-        prompt = engine.build_prompt(q.question, q.contexts)
-        ids = torch.tensor([prompt.input_ids], device=engine.adapter.device)
-        engine.adapter.check_length(ids.shape[1] + max_new_tokens)
-        times = []
-        with torch.inference_mode():
-            for _ in range(repeats):  # HF's own prefill, building its cache as generate would
-                t0 = time.perf_counter()
-                cache = DynamicCache(config=model.config)
-                full_logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
-                times.append(time.perf_counter() - t0)
-            cache.crop(-1)  # generate recomputes the last prompt token
-            full_out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                                      max_new_tokens=max(n_tokens, max_new_tokens), do_sample=False,
-                                      temperature=None, top_p=None, top_k=None,
-                                      pad_token_id=engine.pad_token_id)[0, ids.shape[1]:]
-        target = full_out[:n_tokens]
-        m = methods["full"]
-        m.ttft_s.append(statistics.median(times))
-        m.fidelity.append(1.0)
-        m.kl.append(0.0)
-        if q.answer is not None:
-            m.f1.append(token_f1(engine.tokenizer.decode(full_out[:max_new_tokens], skip_special_tokens=True), q.answer))
-        for r in ratios:
-            m = methods[_label(r)]
-            runs = [engine.prefill_prompt(prompt, ratio=r) for _ in range(repeats)]
-            res = runs[-1]
-            m.ttft_s.append(statistics.median(x.stats.t_total for x in runs))
-            for k in ("lookup", "load", "load_io", "fuse", "compute"):
-                m.split.setdefault(k, []).append(statistics.median(getattr(x.stats, f"t_{k}") for x in runs))
-            if engine.config.pipelined:  # the same request with layers read in the compute thread
-                sequential = engine.with_config(pipelined=False)
-                seq = [sequential.prefill_prompt(prompt, ratio=r).stats.t_total for _ in range(repeats)]
-                m.split.setdefault("ttft_sequential", []).append(statistics.median(seq))
-            m.recomputed.append(res.stats.recomputed_tokens)
-            m.ratio.append(res.stats.ratio)
-            m.kl.append(kl_divergence(full_logits, res.logits))
-            if q.answer is not None:
-                gen = engine.generate_from(engine.prefill_prompt(prompt, ratio=r), max_new_tokens=max_new_tokens)
-                m.f1.append(token_f1(engine.tokenizer.decode(gen, skip_special_tokens=True), q.answer))
-            m.fidelity.append(teacher_forced_agreement(model, res, target))
+        try:  # a question that cannot run (too long for the model, bad text) is reported; the rest go on
+            prompt = engine.build_prompt(q.question, q.contexts)
+            engine.adapter.check_length(prompt.num_tokens + n_new)
+        except ValueError as e:
+            errors.append({"question": qi + 1, "error": str(e)})
+        else:
+            _evaluate_one(engine, q, prompt, methods, stats, n_tokens, n_new, repeats)
         if progress is not None:
             progress(qi + 1, len(questions))
+    done = len(questions) - len(errors)
     return {
-        "questions": len(questions),
+        "questions": done,
         "n_tokens": n_tokens,
-        "methods": {name: st.summary() for name, st in methods.items()},
+        "errors": errors,
+        "methods": {name: st.summary() for name, st in stats.items()} if done else {},
     }
+
+
+def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats: dict, n_tokens: int, n_new: int,
+                  repeats: int) -> None:
+    adapter, tok = engine.adapter, engine.tokenizer
+    engine.ensure(q.contexts)  # precompute what is missing: not timed
+    ids = torch.tensor([prompt.input_ids], device=adapter.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):  # HF's own prefill, building its cache as generate would
+            t0 = time.perf_counter()
+            logits, cache = adapter.forward(ids, logits_to_keep=1)
+            times.append(time.perf_counter() - t0)
+        full_logits = logits[0, -1].float()
+        cache.crop(-1)  # generate recomputes the last prompt token
+        full_out = adapter.generate(ids, cache, tok, max_new_tokens=n_new, do_sample=False)
+    target = full_out[:n_tokens]
+    _record(stats["full"], q, tok, times, 1.0, target, target, 0.0, full_out)
+    for label, (selector, r) in methods.items():
+        eng = engine if selector == engine.config.selector else engine.with_config(selector=selector)
+        runs = [eng.prefill_prompt(prompt, ratio=r) for _ in range(repeats)]
+        res, m = runs[-1], stats[label]
+        for k in ("lookup", "load", "load_io", "fuse", "compute"):
+            m.split.setdefault(k, []).append(statistics.median(getattr(x.stats, f"t_{k}") for x in runs))
+        if eng.config.pipelined:  # the same request with layers read in the compute thread
+            sequential = eng.with_config(pipelined=False)
+            seq = [sequential.prefill_prompt(prompt, ratio=r).stats.t_total for _ in range(repeats)]
+            m.split.setdefault("ttft_sequential", []).append(statistics.median(seq))
+        m.recomputed.append(res.stats.recomputed_tokens)
+        m.ratio.append(res.stats.ratio)
+        answer = adapter.generate(res.input_ids, res.cache, tok, max_new_tokens=n_new, do_sample=False)
+        adapter.truncate(res.cache, prompt.num_tokens - 1)  # generation appended to it; teacher forcing starts over
+        fidelity = teacher_forced_agreement(adapter, res, target)
+        _record(m, q, tok, [x.stats.t_total for x in runs], fidelity, answer, target,
+                kl_divergence(full_logits, res.logits), answer)
+
+
+def _record(m: MethodStats, q: Question, tok, times, fidelity, answer, target, kl, generated) -> None:
+    m.ttft_s.append(statistics.median(times))
+    m.fidelity.append(fidelity)
+    agree = agreeing_prefix(answer[: target.numel()], target)
+    m.agree_tokens.append(agree)
+    m.same_answer.append(float(agree == target.numel()))
+    m.kl.append(kl)
+    if q.answer is not None:
+        m.f1.append(token_f1(tok.decode(generated, skip_special_tokens=True), q.answer))
 
 
 def _label(r: float | str) -> str:
@@ -191,16 +236,23 @@ def _label(r: float | str) -> str:
 
 
 def format_table(report: dict) -> str:
+    if not report["methods"]:
+        return "no question could be evaluated"
     full = report["methods"]["full"]["ttft_s"]
     has_f1 = any("f1" in m for m in report["methods"].values())
-    head = f"{'method':>8} {'ttft_s':>8} {'speedup':>8} {'fidelity':>9} {'kl':>8}" + (f" {'f1':>6}" if has_f1 else "")
+    width = max(8, *(len(k) for k in report["methods"]))
+    head = (f"{'method':>{width}} {'ttft_s':>8} {'speedup':>8} {'fidelity':>9} {'same_ans':>8} {'agree':>6} {'kl':>8}"
+            + (f" {'f1':>6}" if has_f1 else ""))
     head += f" {'load_s':>7} {'fuse_s':>7} {'recomp_s':>8} {'seq_ttft':>8}"
     lines = [head, "-" * len(head)]
     for name, m in report["methods"].items():
-        row = f"{name:>8} {m['ttft_s']:8.3f} {full / m['ttft_s']:7.2f}x {m['fidelity']:9.3f} {m['kl']:8.4f}"
+        row = (f"{name:>{width}} {m['ttft_s']:8.3f} {full / m['ttft_s']:7.2f}x {m['fidelity']:9.3f} "
+               f"{m['same_answer']:8.2f} {m['agree_tokens']:6.1f} {m['kl']:8.4f}")
         if has_f1:
             row += f" {m.get('f1', float('nan')):6.3f}"
         row += "".join(f" {m.get(k, float('nan')):{w}.3f}" for k, w in (("load_s", 7), ("fuse_s", 7), ("compute_s", 8),
                                                                    ("ttft_sequential_s", 8)))
         lines.append(row)
+    for e in report.get("errors", []):
+        lines.append(f"question {e['question']} skipped: {e['error']}")
     return "\n".join(lines)

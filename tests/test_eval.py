@@ -53,12 +53,61 @@ def test_eval_cli_reports_every_method(tmp_path):
     methods = report["methods"]
     assert set(methods) == {"full", "0", "0.15", "1", "auto"}
     for m in methods.values():
-        assert {"ttft_s", "fidelity", "kl", "f1"} <= set(m) and m["ttft_s"] > 0
-    assert methods["full"]["fidelity"] == 1.0
+        assert {"ttft_s", "fidelity", "same_answer", "agree_tokens", "kl", "f1"} <= set(m) and m["ttft_s"] > 0
+        # fidelity is teacher-forced agreement over 16 tokens: a multiple of 1/16 per question
+        assert all(abs(f * 16 - round(f * 16)) < 1e-6 for f in m["per_question"]["fidelity"])
+    assert methods["full"]["fidelity"] == 1.0 and methods["full"]["same_answer"] == 1.0
     # recomputing every token is full prefill: same greedy tokens, same first-token distribution
-    assert methods["1"]["fidelity"] == 1.0 and methods["1"]["kl"] < 1e-4
-    assert 0.0 <= methods["0"]["fidelity"] <= 1.0 and methods["0"]["kl"] >= methods["1"]["kl"]
-    assert report["questions"] == 2
+    assert methods["1"]["fidelity"] == 1.0 and methods["1"]["kl"] < 1e-4 and methods["1"]["same_answer"] == 1.0
+    assert methods["1"]["agree_tokens"] == 16
+    # naive reuse misses the cross-attention between chunks: the first token's distribution moves
+    assert methods["0"]["kl"] > 100 * max(methods["1"]["kl"], 1e-6)
+    assert report["questions"] == 2 and report["errors"] == []
     # time split per method, and the same requests with sequential loading
     assert {"load_s", "fuse_s", "compute_s", "ttft_sequential_s"} <= set(methods["0.15"])
     assert methods["auto"]["ratio"] >= 0.15 and methods["0.15"]["ratio"] == 0.15
+
+
+# ----------------------------------------------------------------------------- fast: a tiny model
+
+
+def _qfile(tmp_path, rows):
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return q
+
+
+def test_bad_options_fail_before_any_work(tmp_path):
+    q = _qfile(tmp_path, [{"question": "q?", "contexts": ["a"]}])
+    for args, needle in ((["--repeats", "0"], "--repeats"), (["--tokens", "0"], "--tokens"),
+                         (["--json", str(tmp_path / "no" / "dir" / "r.json")], "does not exist"),
+                         (["--json", str(tmp_path)], "is a directory"),
+                         (["--ratios", "0.1,x"], "--ratios"), (["--selectors", "psychic"], "unknown selector"),
+                         (["--check-layers", "-1"], ">= 0")):
+        r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--store", "memory", *args])
+        assert r.exit_code == 2 and needle in r.output, (args, r.output)
+        assert "Traceback" not in r.output
+
+
+def test_one_bad_question_is_reported_and_the_others_go_on(tmp_path, tiny_smollm2_dir):
+    lighthouse = (DOCS / "lighthouse.md").read_text()
+    rows = [{"question": "Who designed the lighthouse?", "contexts": [lighthouse]},
+            {"question": "Too long?", "contexts": ["word " * 3000]},  # > the tiny model's 2048 positions
+            {"question": "Where is it?", "contexts": [lighthouse]}]
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["eval", "--questions", str(_qfile(tmp_path, rows)), "--model", str(tiny_smollm2_dir),
+                                  "--store", "memory", "--ratios", "0,1", "--tokens", "4", "--json", str(out)])
+    assert r.exit_code == 1, r.output
+    report = json.loads(out.read_text())
+    assert report["questions"] == 2 and [e["question"] for e in report["errors"]] == [2]
+    assert "longer than the model's window" in report["errors"][0]["error"]
+    assert "question 2 skipped" in r.output and report["methods"]["1"]["fidelity"] == 1.0
+
+
+def test_selectors_side_by_side(tmp_path, tiny_smollm2_dir):
+    lighthouse, sourdough = (DOCS / "lighthouse.md").read_text(), (DOCS / "sourdough.md").read_text()
+    q = _qfile(tmp_path, [{"question": "Who designed the lighthouse?", "contexts": [sourdough, lighthouse]}])
+    r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--model", str(tiny_smollm2_dir), "--store", "memory",
+                                  "--ratios", "0,0.15,1", "--selectors", "deviation", "--tokens", "4"])
+    assert r.exit_code == 0, r.output
+    assert all(name in r.output for name in ("full", " 0 ", "0.15", " 1 "))
