@@ -31,6 +31,35 @@ _SMOLLM2_DIRNAME = "smollm2-135m-instruct-q4_1"
 MODEL_ALIASES = {"smollm2-135m": "smollm2", "smollm2": "smollm2", "smollm2-135m-instruct": "smollm2"}
 
 
+def fast_bf16_cpu() -> bool:
+    """Whether this CPU computes bf16 dot products natively (AMX-BF16 or AVX512-BF16 in its flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def default_dtype() -> torch.dtype:
+    """The fastest model dtype here: bfloat16 on a CUDA GPU or a CPU with native bf16 (AMX-BF16 /
+    AVX512-BF16: a SmolLM2 prefill of ~2.6k tokens ~3x faster than float32), else float32."""
+    return torch.bfloat16 if torch.cuda.is_available() or fast_bf16_cpu() else torch.float32
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """None/"auto" -> default_dtype(); "bfloat16"/"bf16"/"float32"/"fp32"/"float16"/"fp16" -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return default_dtype()
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"model dtype {dtype!r}: valid are auto, {', '.join(names)}")
+    return names[dtype]
+
+
 class ModelNotFoundError(FileNotFoundError):
     """A model name or path that cannot be loaded locally (ragkv never downloads from a hub)."""
 
@@ -134,14 +163,14 @@ def load(
     dtype: torch.dtype | str | None = None,
     attn_implementation: str = "sdpa",
 ):
-    """Return ``(model, tokenizer)`` for a known name or a local HuggingFace model directory."""
+    """Return ``(model, tokenizer)`` for a known name or a local HuggingFace model directory, in
+    ``dtype`` (None or "auto": ``default_dtype()``, the fastest one on this machine)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = parse_dtype(dtype)
     path = _resolve(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype or torch.float32, local_files_only=True, attn_implementation=attn_implementation
+        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
     )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.name_or_path = str(path)

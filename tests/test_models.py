@@ -18,7 +18,7 @@ def chat_ids(tokenizer, question: str) -> torch.Tensor:
 @pytest.mark.slow
 def test_smollm2_gguf_and_converted_dir_give_identical_logits(smollm2):
     model, tokenizer = smollm2
-    gguf_model, gguf_tok = models.load_gguf(models.smollm2_gguf_path())
+    gguf_model, gguf_tok = models.load_gguf(models.smollm2_gguf_path(), dtype=model.dtype)
     ids = chat_ids(tokenizer, "Name three primary colors.")
     assert torch.equal(ids, chat_ids(gguf_tok, "Name three primary colors."))
     with torch.no_grad():
