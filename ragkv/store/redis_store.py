@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ragkv.store.base import KVStore, Loaded, log, wants_all
-from ragkv.store.entry import EncodedEntry, Layout, StoredLayer, decode_header, decode_layer, header_nbytes
+from ragkv.store.entry import EncodedEntry, Layout, StoredLayer, decode_header, decode_layer
 from ragkv.store.errors import CorruptEntry, StoreError
 
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
@@ -148,7 +148,6 @@ class RedisStore(KVStore):
         header, blobs = res[0], res[1:]
         if header is None:
             return None
-        header_nbytes(header)
         _, layout = decode_header(header, key)
         for i in idx:
             layout.layers[i]  # IndexError for a caller's bad index, before blaming the entry
