@@ -38,6 +38,7 @@ from ragkv.store.entry import (
     EntryMeta,
     Layout,
     StoredLayer,
+    check_layer_index,
     decode_header,
     decode_layer,
     encode,
@@ -66,9 +67,10 @@ class KVStore(ABC):
     @abstractmethod
     def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         """Fetch the header and the blobs of ``layers`` (None: header only -> empty list; all
-        indices: every blob). Returns None when absent. Must validate the header with
-        ``decode_header(header, key)``; raises CorruptEntry on bad bytes, StoreError/OSError on
-        I/O trouble, IndexError for a layer index outside the entry."""
+        indices: every blob; else ints, already type-checked). Returns None when absent. Must
+        validate the header with ``decode_header(header, key)`` and each index with
+        ``check_layer_index(i, layout)`` before touching blobs (IndexError: a caller's bad index,
+        nothing is removed); raises CorruptEntry on bad bytes, StoreError/OSError on I/O trouble."""
 
     @abstractmethod
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
@@ -136,7 +138,9 @@ class KVStore(ABC):
         return None if r is None else r[1].meta
 
     def get_layer(self, key: str, i: int) -> StoredLayer | None:
-        """One layer in storage dtype (int8 + scales when quantized); ``.dequantize(dtype)``."""
+        """One layer in storage dtype (int8 + scales when quantized); ``.dequantize(dtype)``.
+        IndexError (and nothing removed) when ``i`` is not an int or not a layer of the entry."""
+        i = check_layer_index(i)
         r = self._guarded(key, [i])
         if r is None:
             return None
@@ -149,6 +153,7 @@ class KVStore(ABC):
     def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
         """Layer i of several entries (the layer-streamed read path); backends that can batch the
         reads into one round trip override it. Same miss/corruption semantics as ``get_layer``."""
+        i = check_layer_index(i)
         return [self.get_layer(k, i) for k in keys]
 
     def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ragkv.store.base import KVStore, Loaded, log, size_from_str, wants_all
-from ragkv.store.entry import EncodedEntry, Layout, decode_header, header_nbytes
+from ragkv.store.entry import EncodedEntry, Layout, check_layer_index, decode_header, header_nbytes
 from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -188,7 +188,7 @@ class DiskStore(KVStore):
             else:
                 blobs = []
                 for i in layers or ():
-                    ll = layout.layers[i]
+                    ll = layout.layers[check_layer_index(i, layout)]
                     b = memoryview(np.empty(ll.nbytes, dtype=np.uint8))  # every byte is read into
                     _read_exact(fd, b, layout.data_offset + ll.offset)
                     blobs.append(b)

@@ -24,6 +24,7 @@ import functools
 import itertools
 import json
 import math
+import numbers
 import struct
 import warnings
 import zlib
@@ -51,7 +52,7 @@ from ragkv.store.quant import ITEMSIZE, TORCH_DTYPE, StoredLayer, quantize_layer
 # re-exported: callers import the entry's types from here
 __all__ = [
     "ChunkKV", "CorruptEntry", "EncodedEntry", "EntryMeta", "LayerLayout", "Layout", "StoredLayer",
-    "TensorLayout", "checksum", "decode_header", "decode_layer", "encode", "encode_stored",
+    "TensorLayout", "check_layer_index", "checksum", "decode_header", "decode_layer", "encode", "encode_stored",
     "header_nbytes", "quantize_layer",
 ]
 
@@ -287,11 +288,23 @@ def _frombuffer(blob, count: int, offset: int) -> Tensor:
     return torch.frombuffer(blob, dtype=torch.uint8, count=count, offset=offset)
 
 
+def check_layer_index(i, layout: Layout | None = None) -> int:
+    """A caller's layer index: an int (not a bool), and with ``layout`` within the entry's layers.
+    A bad index is the caller's error (IndexError), never evidence against the entry."""
+    if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+        raise IndexError(f"layer index must be an int, got {i!r}")
+    if layout is not None and not 0 <= i < len(layout.layers):
+        raise IndexError(
+            f"layer index {i} out of range: entry {layout.meta.key} has {len(layout.layers)} layers"
+        )
+    return int(i)
+
+
 def decode_layer(layout: Layout, i: int, blob, verify: bool = True) -> StoredLayer:
     """View one layer blob as tensors (no copy; the tensors share ``blob``'s memory). ``verify``
-    checks the checksum and finiteness; lengths, dtypes and shapes are always checked."""
-    if not 0 <= i < len(layout.layers):
-        raise CorruptEntry(f"layer {i} out of range (entry has {len(layout.layers)})")
+    checks the checksum and finiteness; lengths, dtypes and shapes are always checked. IndexError
+    for an index outside the entry; CorruptEntry for bad bytes."""
+    i = check_layer_index(i, layout)
     ll = layout.layers[i]
     if len(blob) != ll.nbytes:
         raise CorruptEntry(f"layer {i}: {len(blob)} bytes, header says {ll.nbytes}")

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from ragkv.store.base import KVStore, Loaded, size_from_str, wants_all
-from ragkv.store.entry import EncodedEntry, Layout
+from ragkv.store.entry import EncodedEntry, Layout, check_layer_index
 
 
 class MemoryStore(KVStore):
@@ -39,7 +39,7 @@ class MemoryStore(KVStore):
         header, layout, blobs = e
         if layers is None:
             return header, layout, []
-        sel = blobs if wants_all(layers) else [blobs[i] for i in layers]
+        sel = blobs if wants_all(layers) else [blobs[check_layer_index(i, layout)] for i in layers]
         return header, layout, [bytearray(b) for b in sel]  # blobs are never mutated: copy unlocked
 
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:

@@ -29,7 +29,14 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ragkv.store.base import KVStore, Loaded, log, wants_all
-from ragkv.store.entry import EncodedEntry, Layout, StoredLayer, decode_header, decode_layer
+from ragkv.store.entry import (
+    EncodedEntry,
+    Layout,
+    StoredLayer,
+    check_layer_index,
+    decode_header,
+    decode_layer,
+)
 from ragkv.store.errors import CorruptEntry, StoreError
 
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
@@ -150,13 +157,15 @@ class RedisStore(KVStore):
             return None
         _, layout = decode_header(header, key)
         for i in idx:
-            layout.layers[i]  # IndexError for a caller's bad index, before blaming the entry
+            check_layer_index(i, layout)  # a caller's bad index, before blaming the entry
         if any(b is None for b in blobs):
             raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
         return header, layout, blobs
 
     def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
-        """Layer i of every key in one MULTI round trip (header + blob per key)."""
+        """Layer i of every key in one MULTI round trip (header + blob per key). IndexError, with
+        nothing removed, when ``i`` is not a layer of an entry of the batch."""
+        i = check_layer_index(i)
 
         def fetch():
             pipe = self.client.pipeline(transaction=not self.cluster)
@@ -171,15 +180,24 @@ class RedisStore(KVStore):
             for key in keys:
                 self._read_failed(key, e)
             return [None] * len(keys)
+        layouts: list = []
+        for j, key in enumerate(keys):  # a caller's bad index first: before any entry is blamed
+            try:
+                layouts.append(None if res[2 * j] is None else decode_header(res[2 * j], key)[1])
+            except CorruptEntry as e:
+                layouts.append(e)
+            if isinstance(layouts[-1], Layout):
+                check_layer_index(i, layouts[-1])
         out: list[StoredLayer | None] = []
         for j, key in enumerate(keys):
-            header, blob = res[2 * j], res[2 * j + 1]
-            if header is None:
+            layout, blob = layouts[j], res[2 * j + 1]
+            if layout is None:
                 self._count("misses")
                 out.append(None)
                 continue
             try:
-                _, layout = decode_header(header, key)
+                if isinstance(layout, CorruptEntry):
+                    raise layout
                 if blob is None:
                     raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
                 out.append(decode_layer(layout, i, blob, verify=self.verify_reads))

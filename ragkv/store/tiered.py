@@ -19,7 +19,16 @@ from contextlib import ExitStack, contextmanager
 from torch import Tensor
 
 from ragkv.store.base import KVStore, Loaded, log
-from ragkv.store.entry import ChunkKV, EncodedEntry, EntryMeta, Layout, StoredLayer, decode_header, encode
+from ragkv.store.entry import (
+    ChunkKV,
+    EncodedEntry,
+    EntryMeta,
+    Layout,
+    StoredLayer,
+    check_layer_index,
+    decode_header,
+    encode,
+)
 from ragkv.store.errors import StoreError
 
 
@@ -100,6 +109,7 @@ class TieredStore(KVStore):
         return None
 
     def get_layer(self, key: str, i: int) -> StoredLayer | None:
+        i = check_layer_index(i)
         for t in self.tiers:
             layer = t.get_layer(key, i)
             if layer is not None:
