@@ -12,7 +12,7 @@ from ragkv.store.entry import (
     encode_stored,
     quantize_layer,
 )
-from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
+from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, UnsupportedEntry
 from ragkv.store.uri import open_store
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoredLayer",
+    "UnsupportedEntry",
     "decode_header",
     "decode_layer",
     "encode",

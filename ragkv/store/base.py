@@ -14,8 +14,9 @@ Public API and who calls it
 - operators / CLI: ``keys()``, ``stats()``, ``delete(key)``, ``clear()``, ``close()``.
 
 Reads never raise for bad data or an unreachable backend: a corrupt entry (``CorruptEntry``) is
-counted, removed and returned as a miss; an I/O or connection error is counted as an error and
-returned as a miss. Writes of a single backend raise ``StoreError``/``StoreFull``.
+counted, removed and returned as a miss; an entry of another format version (``UnsupportedEntry``,
+e.g. from a newer writer) is counted as ``unsupported``, logged once per key, left in place and
+returned as a miss; an I/O or connection error is counted as an error and returned as a miss. Writes of a single backend raise ``StoreError``/``StoreFull``.
 
 Backend hooks (abstract): ``uri``, ``_load``, ``_store``, ``_remove``, ``keys``. Optional with
 defaults: ``contains``, ``clear``, ``_usage``, ``close``.
@@ -43,7 +44,7 @@ from ragkv.store.entry import (
     decode_layer,
     encode,
 )
-from ragkv.store.errors import CorruptEntry, StoreError
+from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
 
 log = logging.getLogger("ragkv.store")
 
@@ -57,6 +58,7 @@ class KVStore(ABC):
         self._lock = threading.RLock()
         self._counts: Counter[str] = Counter()
         self._pinned: Counter[str] = Counter()
+        self._unsupported_seen: set[str] = set()  # keys already logged as unsupported
 
     # ---- backend hooks ------------------------------------------------------------------------
 
@@ -84,8 +86,11 @@ class KVStore(ABC):
     def keys(self) -> Iterator[str]: ...
 
     def contains(self, key: str) -> bool:
+        """A readable entry, or one of a newer format (this build never overwrites it), is there."""
         try:
             return self._load(key, None) is not None
+        except UnsupportedEntry:
+            return True
         except (CorruptEntry, StoreError, OSError):
             return False
 
@@ -126,7 +131,7 @@ class KVStore(ABC):
                         raise CorruptEntry(
                             f"layer {i}: {len(b)} bytes, header says {layout.layers[i].nbytes}"
                         )
-        except CorruptEntry as e:
+        except (CorruptEntry, UnsupportedEntry) as e:
             raise ValueError(f"put_encoded({key!r}): invalid entry: {e}") from None
         if self.contains(key):
             self._count("put_skipped")
@@ -146,6 +151,9 @@ class KVStore(ABC):
             return None
         try:
             return decode_layer(r[1], i, r[2][0], verify=self.verify_reads)
+        except UnsupportedEntry as e:
+            self._unsupported(key, e)
+            return None
         except CorruptEntry as e:
             self._corrupt(key, e)
             return None
@@ -180,7 +188,7 @@ class KVStore(ABC):
         with self._lock:
             c = dict(self._counts)
         out = {"uri": self.uri, **self._usage()}
-        for name in ("hits", "misses", "corruptions", "evictions", "puts", "put_skipped", "errors"):
+        for name in ("hits", "misses", "corruptions", "unsupported", "evictions", "puts", "put_skipped", "errors"):
             out[name] = c.pop(name, 0)
         out.update(c)
         return out
@@ -231,9 +239,26 @@ class KVStore(ABC):
         except (StoreError, OSError) as e:  # pragma: no cover - best effort
             log.warning("%s: could not remove corrupt entry %s: %s", self.uri, key, e)
 
+    def _unsupported(self, key: str, err: Exception) -> None:
+        """An entry of another format version: counted, a miss, logged once per key, left alone."""
+        self._count("unsupported")
+        self._count("misses")
+        with self._lock:
+            first = key not in self._unsupported_seen
+            if first:
+                if len(self._unsupported_seen) >= _SEEN_MAX:
+                    self._unsupported_seen.clear()
+                self._unsupported_seen.add(key)
+        if first:
+            log.warning("%s: entry %s is of a format this build does not read (newer writer?); "
+                        "skipped and left in place: %s", self.uri, key, err)
+
     def _guarded(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         try:
             r = self._load(key, layers)
+        except UnsupportedEntry as e:
+            self._unsupported(key, e)
+            return None
         except CorruptEntry as e:
             self._corrupt(key, e)
             return None
@@ -257,6 +282,9 @@ class KVStore(ABC):
             header, layout, blobs = r
             stored = [decode_layer(layout, i, b, verify=self.verify_reads) for i, b in enumerate(blobs)]
             blobs = list(blobs)  # a backend may hand a lazy (streamed) sequence
+        except UnsupportedEntry as e:
+            self._unsupported(key, e)
+            return None
         except CorruptEntry as e:
             self._corrupt(key, e)
             return None
@@ -267,6 +295,7 @@ class KVStore(ABC):
 
 
 _ALL = 1 << 30  # ``range(_ALL)`` passed to _load means "every layer"
+_SEEN_MAX = 65536  # unsupported keys remembered for logging once
 
 
 def wants_all(layers: Sequence[int] | None) -> bool:

@@ -15,7 +15,10 @@ Checksum ("bsum64-crc32"): the blob viewed as little-endian uint64 words is summ
 4 KiB block with numpy, and crc32 is taken over the block sums. One pass at ~25 GB/s on one core,
 vs zlib.crc32 ~5 GB/s and blake2b ~1 GB/s (measured, see README). It detects every single-bit flip,
 any corruption confined to one 8-byte word, truncation and block reordering; it is a corruption
-check, not a MAC. Decoding validates everything and raises ``CorruptEntry`` on any mismatch.
+check, not a MAC. Decoding validates everything and raises ``CorruptEntry`` on any mismatch, and
+``UnsupportedEntry`` for a valid magic with another format version (or an unknown checksum
+algorithm): an entry of a newer writer, not a damaged one. A version field that differs while the
+rest of the header is an intact header of this version is damage (``CorruptEntry``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ragkv.store.errors import CorruptEntry
+from ragkv.store.errors import CorruptEntry, UnsupportedEntry
 from ragkv.store.layout import (
     ALIGN,
     ChunkKV,
@@ -52,7 +55,7 @@ from ragkv.store.quant import ITEMSIZE, TORCH_DTYPE, StoredLayer, quantize_layer
 # re-exported: callers import the entry's types from here
 __all__ = [
     "ChunkKV", "CorruptEntry", "EncodedEntry", "EntryMeta", "LayerLayout", "Layout", "StoredLayer",
-    "TensorLayout", "check_layer_index", "checksum", "decode_header", "decode_layer", "encode", "encode_stored",
+    "TensorLayout", "UnsupportedEntry", "check_layer_index", "checksum", "decode_header", "decode_layer", "encode", "encode_stored",
     "header_nbytes", "quantize_layer",
 ]
 
@@ -162,14 +165,28 @@ def header_nbytes(prefix: bytes) -> int:
     """Total header length from its first 20 bytes (for backends that read the header first)."""
     if len(prefix) < _PREFIX.size:
         raise CorruptEntry("header: truncated prefix")
-    magic, version, n, _ = _PREFIX.unpack_from(prefix)
+    magic, version, n, crc = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptEntry("header: bad magic")
     if version != FORMAT_VERSION:
-        raise CorruptEntry(f"header: format version {version}, this build reads {FORMAT_VERSION}")
+        if _is_our_json(prefix, n, crc):  # a damaged version field of an entry in our format
+            raise CorruptEntry(f"header: format version {version}, but the header's JSON says {FORMAT_VERSION}")
+        raise UnsupportedEntry(f"header: format version {version}, this build reads {FORMAT_VERSION}")
     if n > MAX_HEADER_JSON:
         raise CorruptEntry(f"header: json length {n} too large")
     return _PREFIX.size + n
+
+
+def _is_our_json(header: bytes, n: int, crc: int) -> bool:
+    """True when the bytes after the prefix are an intact JSON header of this build's version."""
+    js = bytes(header[_PREFIX.size : _PREFIX.size + n])
+    if n > MAX_HEADER_JSON or len(js) != n or zlib.crc32(js) != crc:
+        return False
+    try:
+        doc = json.loads(js)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == "ragkv-entry" and doc.get("version") == FORMAT_VERSION
 
 
 def _meta_from_json(m: Any) -> EntryMeta:
@@ -227,8 +244,10 @@ def _decode_header_bytes(header: bytes) -> tuple[EntryMeta, Layout]:
         raise CorruptEntry(f"header: bad json ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != "ragkv-entry":
         raise CorruptEntry("header: not a ragkv entry")
-    if doc.get("version") != FORMAT_VERSION or doc.get("checksum") != CHECKSUM_ALGO:
-        raise CorruptEntry("header: unsupported version or checksum algorithm")
+    if doc.get("version") != FORMAT_VERSION:  # the prefix said ours: inconsistent, not newer
+        raise CorruptEntry(f"header: JSON version {doc.get('version')!r}, prefix says {FORMAT_VERSION}")
+    if doc.get("checksum") != CHECKSUM_ALGO:
+        raise UnsupportedEntry(f"header: checksum algorithm {doc.get('checksum')!r}, this build reads {CHECKSUM_ALGO}")
     meta = _meta_from_json(doc.get("meta"))
     lays = _req(doc, "layers", list, "header")
     if len(lays) != meta.num_layers:

@@ -1,5 +1,5 @@
-"""Exceptions of the store layer. Reads never raise these to callers of ``KVStore`` (they become
-misses and counters); writes raise ``StoreError``/``StoreFull`` from single backends, and the
+"""Exceptions of the store layer. Reads never raise CorruptEntry/UnsupportedEntry/StoreError to
+callers of ``KVStore`` (they become misses and counters); writes raise ``StoreError``/``StoreFull`` from single backends, and the
 TieredStore turns a failing tier's write into a logged, counted skip."""
 
 from __future__ import annotations
@@ -8,6 +8,12 @@ from __future__ import annotations
 class CorruptEntry(Exception):
     """An entry's bytes fail validation (magic, version, JSON, types, shapes, lengths, checksums,
     non-finite values, or a header bound to another key)."""
+
+
+class UnsupportedEntry(Exception):
+    """A well-formed entry header (valid magic) of a format version or checksum algorithm this build
+    does not read, e.g. written by a newer ragkv. Not corruption: stores skip such an entry (a miss,
+    counted as ``unsupported``) and leave it in place for the readers that understand it."""
 
 
 class StoreError(Exception):

@@ -37,7 +37,7 @@ from ragkv.store.entry import (
     decode_header,
     decode_layer,
 )
-from ragkv.store.errors import CorruptEntry, StoreError
+from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
 
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
 
@@ -184,7 +184,7 @@ class RedisStore(KVStore):
         for j, key in enumerate(keys):  # a caller's bad index first: before any entry is blamed
             try:
                 layouts.append(None if res[2 * j] is None else decode_header(res[2 * j], key)[1])
-            except CorruptEntry as e:
+            except (CorruptEntry, UnsupportedEntry) as e:
                 layouts.append(e)
             if isinstance(layouts[-1], Layout):
                 check_layer_index(i, layouts[-1])
@@ -193,6 +193,10 @@ class RedisStore(KVStore):
             layout, blob = layouts[j], res[2 * j + 1]
             if layout is None:
                 self._count("misses")
+                out.append(None)
+                continue
+            if isinstance(layout, UnsupportedEntry):
+                self._unsupported(key, layout)
                 out.append(None)
                 continue
             try:
@@ -221,7 +225,7 @@ class RedisStore(KVStore):
     def _remove(self, key: str) -> bool:
         hdr = self._call(lambda: self.client.get(self._hkey(key)))
         n = 0
-        with contextlib.suppress(CorruptEntry):
+        with contextlib.suppress(CorruptEntry, UnsupportedEntry):
             n = decode_header(hdr, None)[0].num_layers if hdr is not None else 0
         names = [self._hkey(key)] + [self._bkey(key, i) for i in range(max(n, 0))]
         if n == 0:  # header unreadable: find the blobs by pattern

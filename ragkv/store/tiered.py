@@ -196,7 +196,7 @@ class TieredStore(KVStore):
         with self._lock:
             c = dict(self._counts)
         out["hits"], out["misses"] = c.pop("hits", 0), c.pop("misses", 0)  # of the whole stack
-        for name in ("entries", "bytes", "corruptions", "evictions", "errors"):
+        for name in ("entries", "bytes", "corruptions", "unsupported", "evictions", "errors"):
             out[name] = sum(int(s.get(name) or 0) for s in tiers)
         out.update(c)
         return out
