@@ -14,6 +14,7 @@ from ragkv.store.entry import (
 )
 from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, UnsupportedEntry
 from ragkv.store.uri import open_store
+from ragkv.store.values import Miss
 
 __all__ = [
     "ChunkKV",
@@ -21,6 +22,7 @@ __all__ = [
     "EncodedEntry",
     "EntryMeta",
     "KVStore",
+    "Miss",
     "StoreError",
     "StoreFull",
     "StoredLayer",

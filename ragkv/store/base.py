@@ -4,8 +4,9 @@ Public API and who calls it
 ---------------------------
 - engine / prefill path: ``contains(key)`` before prefilling a chunk; ``put(meta, layers_kv)`` after
   (idempotent: False when the key is already present, may be called twice or by several processes).
-- engine / read path: ``get_meta(key)`` (header only), ``get_layer(key, i)`` (one layer, storage
-  dtype, for layer-streamed loading), ``get(key)`` (all layers decoded to the model dtype).
+- engine / read path: ``get_meta(key)`` (header only), ``fetch_layers(keys, i)`` (layer i of each
+  key, storage dtype, or a ``Miss`` with its reason; ``get_layer``/``get_layers``: the same with None
+  for a miss), ``get(key)`` (all layers decoded to the model dtype).
   Returned tensors are owned by the caller (in-place writes never reach the store).
 - TieredStore: ``put_encoded(key, enc)`` / ``get_encoded(key)`` to copy an entry between tiers
   without re-quantizing.
@@ -45,6 +46,7 @@ from ragkv.store.entry import (
     encode,
 )
 from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
+from ragkv.store.values import ABSENT, CORRUPT, ERROR, UNSUPPORTED, Miss, size_from_str  # noqa: F401
 
 log = logging.getLogger("ragkv.store")
 
@@ -142,27 +144,23 @@ class KVStore(ABC):
         r = self._guarded(key, None)
         return None if r is None else r[1].meta
 
+    def fetch_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | Miss]:
+        """Layer i of each key in storage dtype, or a ``Miss`` saying why not (the read path counts
+        corruption, outages and absent entries apart). Per key here; backends that can batch the
+        reads into one round trip override it. IndexError, and nothing removed, for a bad ``i``."""
+        i = check_layer_index(i)
+        return [self._fetch_layer(k, i) for k in keys]
+
     def get_layer(self, key: str, i: int) -> StoredLayer | None:
         """One layer in storage dtype (int8 + scales when quantized); ``.dequantize(dtype)``.
-        IndexError (and nothing removed) when ``i`` is not an int or not a layer of the entry."""
-        i = check_layer_index(i)
-        r = self._guarded(key, [i])
-        if r is None:
-            return None
-        try:
-            return decode_layer(r[1], i, r[2][0], verify=self.verify_reads)
-        except UnsupportedEntry as e:
-            self._unsupported(key, e)
-            return None
-        except CorruptEntry as e:
-            self._corrupt(key, e)
-            return None
+        None on a miss; IndexError (and nothing removed) when ``i`` is not a layer of the entry."""
+        r = self.fetch_layers([key], i)[0]
+        return None if isinstance(r, Miss) else r
 
     def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
-        """Layer i of several entries (the layer-streamed read path); backends that can batch the
-        reads into one round trip override it. Same miss/corruption semantics as ``get_layer``."""
-        i = check_layer_index(i)
-        return [self.get_layer(k, i) for k in keys]
+        """Layer i of several entries (the layer-streamed read path), None for each miss:
+        ``fetch_layers`` without the reasons."""
+        return [None if isinstance(r, Miss) else r for r in self.fetch_layers(keys, i)]
 
     def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
         r = self._get_full(key)
@@ -230,7 +228,27 @@ class KVStore(ABC):
         self._count("puts" if ok else "put_skipped")
         return ok
 
-    def _corrupt(self, key: str, err: Exception) -> None:
+    def _fetch_layer(self, key: str, i: int) -> StoredLayer | Miss:
+        try:
+            r = self._load(key, [i])
+            if r is None:
+                return self._absent()
+            layer = decode_layer(r[1], i, r[2][0], verify=self.verify_reads)
+        except UnsupportedEntry as e:
+            return self._unsupported(key, e)
+        except CorruptEntry as e:
+            return self._corrupt(key, e)
+        except (StoreError, OSError) as e:
+            return self._read_failed(key, e)
+        self._count("hits")
+        return layer
+
+    def _absent(self) -> Miss:
+        self._count("misses")
+        return ABSENT
+
+    def _corrupt(self, key: str, err: Exception) -> Miss:
+        """Evidence of damage: counted, a miss, the entry removed."""
         self._count("corruptions")
         self._count("misses")
         log.warning("%s: corrupt entry %s removed: %s", self.uri, key, err)
@@ -238,8 +256,9 @@ class KVStore(ABC):
             self._remove(key)
         except (StoreError, OSError) as e:  # pragma: no cover - best effort
             log.warning("%s: could not remove corrupt entry %s: %s", self.uri, key, e)
+        return CORRUPT
 
-    def _unsupported(self, key: str, err: Exception) -> None:
+    def _unsupported(self, key: str, err: Exception) -> Miss:
         """An entry of another format version: counted, a miss, logged once per key, left alone."""
         self._count("unsupported")
         self._count("misses")
@@ -252,6 +271,7 @@ class KVStore(ABC):
         if first:
             log.warning("%s: entry %s is of a format this build does not read (newer writer?); "
                         "skipped and left in place: %s", self.uri, key, err)
+        return UNSUPPORTED
 
     def _guarded(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         try:
@@ -263,15 +283,17 @@ class KVStore(ABC):
             self._corrupt(key, e)
             return None
         except (StoreError, OSError) as e:
-            return self._read_failed(key, e)
+            self._read_failed(key, e)
+            return None
         self._count("hits" if r is not None else "misses")
         return r
 
-    def _read_failed(self, key: str, err: Exception) -> None:
+    def _read_failed(self, key: str, err: Exception) -> Miss:
         """An I/O or connection error on read: counted, logged, a miss."""
         self._count("errors")
         self._count("misses")
         log.debug("%s: read of %s failed: %s", self.uri, key, err)
+        return ERROR
 
     def _get_full(self, key: str) -> tuple[bytes, Layout, list, list[StoredLayer]] | None:
         try:
@@ -289,7 +311,8 @@ class KVStore(ABC):
             self._corrupt(key, e)
             return None
         except (StoreError, OSError) as e:
-            return self._read_failed(key, e)
+            self._read_failed(key, e)
+            return None
         self._count("hits")
         return header, layout, blobs, stored
 
@@ -300,19 +323,3 @@ _SEEN_MAX = 65536  # unsupported keys remembered for logging once
 
 def wants_all(layers: Sequence[int] | None) -> bool:
     return isinstance(layers, range) and layers == range(_ALL)
-
-
-def size_from_str(s: str | int | None) -> int | None:
-    """'10G' / '512M' / '1GiB' / '123' -> bytes; None/'' / 'none' -> None (unbounded)."""
-    if s is None or isinstance(s, int):
-        return s
-    t = s.strip().lower().replace("ib", "").rstrip("b")
-    if t in ("", "none", "inf", "0"):
-        return None if t != "0" else 0
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    try:
-        if t[-1] in mult:
-            return int(float(t[:-1]) * mult[t[-1]])
-        return int(t)
-    except ValueError:
-        raise ValueError(f"bad size {s!r}: use bytes or a number with K, M, G or T") from None

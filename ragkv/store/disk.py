@@ -29,7 +29,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import threading
 import time
 import uuid
@@ -43,19 +42,13 @@ import numpy as np
 from ragkv.store.base import KVStore, Loaded, log, size_from_str, wants_all
 from ragkv.store.entry import EncodedEntry, Layout, check_layer_index, decode_header, header_nbytes
 from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
+from ragkv.store.values import check_key
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _SUFFIX = ".kv"
 _HEAD_READ = 64 << 10
 _TMP_STALE_S = 3600.0
 _PAD = bytes(64)
 _STREAM_MIN = 4 << 20  # smaller entries are read in the caller's thread
-
-
-def check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise ValueError(f"invalid store key {key!r}: [A-Za-z0-9._-], at most 200 chars")
-    return key
 
 
 def _fanout(key: str) -> str:

@@ -9,7 +9,8 @@ Keys of one entry share the hash tag ``{<key>}`` so they live in one cluster slo
   every key). EXEC is atomic, so no reader sees part of an entry; concurrent writers of one key
   leave the last writer's complete entry.
 - Read: header and requested blobs are fetched in one MULTI/EXEC (a consistent snapshot, one round
-  trip); ``get_layer`` fetches the header and that blob only.
+  trip); ``fetch_layers``/``get_layer(s)`` fetch the header and that blob of each key, all keys in
+  one round trip.
 - Unreachable server: the first failure logs one warning, later calls are misses / skipped writes
   without touching the network until a back-off (1 s doubling to 30 s) expires; the next success
   logs "reconnected". Requests never fail because Redis is down.
@@ -28,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ragkv.store.base import KVStore, Loaded, log, wants_all
+from ragkv.store.base import KVStore, Loaded, Miss, log, wants_all
 from ragkv.store.entry import (
     EncodedEntry,
     Layout,
@@ -162,10 +163,13 @@ class RedisStore(KVStore):
             raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
         return header, layout, blobs
 
-    def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
-        """Layer i of every key in one MULTI round trip (header + blob per key). IndexError, with
-        nothing removed, when ``i`` is not a layer of an entry of the batch."""
+    def fetch_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | Miss]:
+        """Layer i of every key in one round trip (header + blob per key, one MULTI unless
+        clustered). IndexError, with nothing removed, when ``i`` is not a layer of an entry of the
+        batch; the index is checked against every header before any entry is blamed."""
         i = check_layer_index(i)
+        if not keys:
+            return []
 
         def fetch():
             pipe = self.client.pipeline(transaction=not self.cluster)
@@ -177,39 +181,33 @@ class RedisStore(KVStore):
         try:
             res = self._call(fetch)
         except StoreError as e:
-            for key in keys:
-                self._read_failed(key, e)
-            return [None] * len(keys)
+            return [self._read_failed(key, e) for key in keys]
         layouts: list = []
-        for j, key in enumerate(keys):  # a caller's bad index first: before any entry is blamed
+        for j, key in enumerate(keys):
             try:
                 layouts.append(None if res[2 * j] is None else decode_header(res[2 * j], key)[1])
             except (CorruptEntry, UnsupportedEntry) as e:
                 layouts.append(e)
             if isinstance(layouts[-1], Layout):
                 check_layer_index(i, layouts[-1])
-        out: list[StoredLayer | None] = []
-        for j, key in enumerate(keys):
-            layout, blob = layouts[j], res[2 * j + 1]
-            if layout is None:
-                self._count("misses")
-                out.append(None)
-                continue
-            if isinstance(layout, UnsupportedEntry):
-                self._unsupported(key, layout)
-                out.append(None)
-                continue
-            try:
-                if isinstance(layout, CorruptEntry):
-                    raise layout
-                if blob is None:
-                    raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
-                out.append(decode_layer(layout, i, blob, verify=self.verify_reads))
-                self._count("hits")
-            except CorruptEntry as e:
-                self._corrupt(key, e)
-                out.append(None)
-        return out
+        return [self._layer_of(key, i, layout, res[2 * j + 1]) for j, (key, layout) in enumerate(zip(keys, layouts))]
+
+    def _layer_of(self, key: str, i: int, layout, blob) -> StoredLayer | Miss:
+        """One key's part of a batched read: its decoded header (or why not) and its blob."""
+        if layout is None:
+            return self._absent()
+        if isinstance(layout, UnsupportedEntry):
+            return self._unsupported(key, layout)
+        try:
+            if isinstance(layout, CorruptEntry):
+                raise layout
+            if blob is None:
+                raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
+            layer = decode_layer(layout, i, blob, verify=self.verify_reads)
+        except CorruptEntry as e:
+            return self._corrupt(key, e)
+        self._count("hits")
+        return layer
 
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
         def write():

@@ -2,6 +2,8 @@
 
 - ``put``: encodes once and writes the same bytes to every tier. A tier whose write fails
   (StoreFull, Redis down) is logged and counted in ``tier_write_errors``; the others still get it.
+- ``fetch_layers`` / ``get_layer(s)``: each key from the first tier that has it, no promotion; a
+  miss everywhere reports "error" if a tier could not be asked, else corrupt/unsupported/absent.
 - ``get``: asks tier by tier; a hit in a lower tier is promoted (the whole verified entry is copied
   into every tier above) before it is decoded. ``get_meta`` (the read path's lookup) that hits a
   lower tier schedules the same promotion on a background thread, so the request streams its layers
@@ -30,6 +32,9 @@ from ragkv.store.entry import (
     encode,
 )
 from ragkv.store.errors import StoreError
+from ragkv.store.values import Miss
+
+_REASON_ORDER = ("error", "corrupt", "unsupported", "absent")  # most telling first
 
 
 class TieredStore(KVStore):
@@ -108,15 +113,32 @@ class TieredStore(KVStore):
         self._count("misses")
         return None
 
-    def get_layer(self, key: str, i: int) -> StoredLayer | None:
+    def fetch_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | Miss]:
+        """Layer i of each key from the first tier that has it, asking each tier once for all the
+        keys still missing (no promotion). A key no tier has gets the most telling reason of its
+        tiers' misses: "error" when a tier could not be asked (the entry may exist there), else
+        "corrupt", else "unsupported", else "absent". Each tier counts its own misses too."""
         i = check_layer_index(i)
+        out: list = [None] * len(keys)
+        reasons: list[set[str]] = [set() for _ in keys]
+        todo = list(range(len(keys)))
         for t in self.tiers:
-            layer = t.get_layer(key, i)
-            if layer is not None:
-                self._count("hits")
-                return layer
-        self._count("misses")
-        return None
+            if not todo:
+                break
+            got = t.fetch_layers([keys[j] for j in todo], i)
+            left = []
+            for j, r in zip(todo, got):
+                if isinstance(r, Miss):
+                    reasons[j].add(r.reason)
+                    left.append(j)
+                else:
+                    out[j] = r
+            todo = left
+        for j in todo:
+            out[j] = Miss(next(r for r in _REASON_ORDER if r in reasons[j]))
+        self._count("hits", len(keys) - len(todo))
+        self._count("misses", len(todo))
+        return out
 
     def get_encoded(self, key: str) -> EncodedEntry | None:
         for j, t in enumerate(self.tiers):
