@@ -46,7 +46,7 @@ from ragkv.store.entry import (
     encode,
 )
 from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
-from ragkv.store.values import ABSENT, CORRUPT, ERROR, UNSUPPORTED, Miss, size_from_str  # noqa: F401
+from ragkv.store.values import ABSENT, CORRUPT, ERROR, UNSUPPORTED, Miss, check_key, size_from_str  # noqa: F401
 
 log = logging.getLogger("ragkv.store")
 
@@ -110,6 +110,7 @@ class KVStore(ABC):
 
     def put(self, meta: EntryMeta, layers_kv: Sequence[tuple[Tensor, Tensor]]) -> bool:
         """Quantize per meta.storage_dtype and store. False (and no work) if already present."""
+        check_key(meta.key)
         if self.contains(meta.key):
             self._count("put_skipped")
             return False
@@ -120,6 +121,7 @@ class KVStore(ABC):
     def put_encoded(self, key: str, enc: EncodedEntry) -> bool:
         """Store an already encoded entry (e.g. from another tier). Raises ValueError when the
         header is invalid or bound to another key; blob checksums are verified."""
+        check_key(key)
         try:
             _, layout = decode_header(enc.header, key)
             if len(enc.blobs) != len(layout.layers):

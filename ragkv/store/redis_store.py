@@ -2,8 +2,13 @@
 
 Keys of one entry share the hash tag ``{<key>}`` so they live in one cluster slot::
 
-    <namespace>ragkv:{<key>}:h      header (written last)
-    <namespace>ragkv:{<key>}:<i>    layer blob i
+    ragkv:<namespace>/{<key>}:h      header (written last)
+    ragkv:<namespace>/{<key>}:<i>    layer blob i (contiguous from 0)
+
+Namespaces are ``[A-Za-z0-9_.:-]*`` and keys ``check_key``'s alphabet, so ``/`` ends the namespace
+and no caller-supplied string is a glob: SCAN patterns are escaped (``_glob_escape``) and never
+built from a key. Entries of the old layout (``<namespace>ragkv:{<key>}:...``) are neither read nor
+deleted by this version (they expire by TTL or can be removed with redis-cli).
 
 - Write: one MULTI/EXEC transaction sets every blob, then the header (with the optional TTL on
   every key). EXEC is atomic, so no reader sees part of an entry; concurrent writers of one key
@@ -20,6 +25,8 @@ Keys of one entry share the hash tag ``{<key>}`` so they live in one cluster slo
 from __future__ import annotations
 
 import contextlib
+import itertools
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -39,8 +46,17 @@ from ragkv.store.entry import (
     decode_layer,
 )
 from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
+from ragkv.store.values import check_key, is_key
 
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+_NS_RE = re.compile(r"[A-Za-z0-9_.:-]*")
+_DEL_BATCH = 64  # blob keys deleted per DEL when the header cannot say how many there are
+_SCAN_BATCH = 512
+
+
+def _glob_escape(s: str) -> str:
+    """``s`` as a literal inside a Redis glob pattern (SCAN MATCH, KEYS)."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", s)
 
 
 class RedisStore(KVStore):
@@ -55,8 +71,11 @@ class RedisStore(KVStore):
         **client_kwargs,
     ):
         super().__init__()
-        if "{" in namespace or "}" in namespace:
-            raise ValueError("redis namespace must not contain '{' or '}' (hash tag)")
+        if not isinstance(namespace, str) or not _NS_RE.fullmatch(namespace):
+            raise ValueError(
+                f"redis namespace {namespace!r}: use only [A-Za-z0-9_.:-] (no glob characters, no '/', "
+                "no hash-tag braces)"
+            )
         self.url, self.ttl, self.namespace, self.cluster = url, ttl, namespace, cluster
         client_kwargs.setdefault("socket_connect_timeout", 1.0)
         client_kwargs.setdefault("socket_timeout", 10.0)
@@ -83,11 +102,22 @@ class RedisStore(KVStore):
             q.append("cluster=1")
         return safe + (("&" if "?" in safe else "?") + "&".join(q) if q else "")
 
+    def _base(self, key: str) -> str:
+        return f"ragkv:{self.namespace}/{{{check_key(key)}}}"
+
     def _hkey(self, key: str) -> str:
-        return f"{self.namespace}ragkv:{{{key}}}:h"
+        return self._base(key) + ":h"
 
     def _bkey(self, key: str, i: int) -> str:
-        return f"{self.namespace}ragkv:{{{key}}}:{i}"
+        return f"{self._base(key)}:{i}"
+
+    def _pattern(self) -> str:
+        """SCAN pattern of every Redis key of this namespace's entries."""
+        return _glob_escape(f"ragkv:{self.namespace}/{{") + "*"
+
+    def _scan(self) -> list[str]:
+        names = self._call(lambda: list(self.client.scan_iter(match=self._pattern(), count=1000)))
+        return [n.decode() if isinstance(n, bytes) else n for n in names]
 
     # ---- availability ---------------------------------------------------------------------------
 
@@ -168,6 +198,8 @@ class RedisStore(KVStore):
         clustered). IndexError, with nothing removed, when ``i`` is not a layer of an entry of the
         batch; the index is checked against every header before any entry is blamed."""
         i = check_layer_index(i)
+        for key in keys:
+            check_key(key)
         if not keys:
             return []
 
@@ -221,29 +253,38 @@ class RedisStore(KVStore):
         return True
 
     def _remove(self, key: str) -> bool:
-        hdr = self._call(lambda: self.client.get(self._hkey(key)))
-        n = 0
+        base = self._base(key)
+        hdr = self._call(lambda: self.client.get(base + ":h"))
+        n = None
         with contextlib.suppress(CorruptEntry, UnsupportedEntry):
-            n = decode_header(hdr, None)[0].num_layers if hdr is not None else 0
-        names = [self._hkey(key)] + [self._bkey(key, i) for i in range(max(n, 0))]
-        if n == 0:  # header unreadable: find the blobs by pattern
-            names += list(self._call(lambda: list(self.client.scan_iter(match=self._bkey(key, "*")))))
-        return bool(self._call(lambda: self.client.delete(*names)))
+            n = decode_header(hdr, key)[0].num_layers if hdr is not None else None
+        if n is not None:
+            names = [base + ":h"] + [f"{base}:{i}" for i in range(n)]
+            return bool(self._call(lambda: self.client.delete(*names)))
+        # header absent or unreadable: blobs are contiguous from 0, delete them batch by batch
+        # until a batch comes back short (never by pattern: no key is ever a glob)
+        deleted = self._call(lambda: self.client.delete(base + ":h"))
+        for start in itertools.count(0, _DEL_BATCH):
+            batch = [f"{base}:{i}" for i in range(start, start + _DEL_BATCH)]
+            got = self._call(lambda b=batch: self.client.delete(*b))
+            deleted += got
+            if got < len(batch):
+                break
+        return deleted > 0
 
     def keys(self) -> Iterator[str]:
-        pat = f"{self.namespace}ragkv:{{*}}:h"
-        lo = len(self.namespace) + len("ragkv:{")
+        lo = f"ragkv:{self.namespace}/{{"
         try:
-            names = self._call(lambda: list(self.client.scan_iter(match=pat, count=1000)))
+            names = self._scan()
         except StoreError:
             return iter(())
-        return iter(sorted({(n.decode() if isinstance(n, bytes) else n)[lo:-3] for n in names}))
+        found = {n[len(lo) : -3] for n in names if n.startswith(lo) and n.endswith("}:h")}
+        return iter(sorted(k for k in found if is_key(k)))
 
     def clear(self) -> None:
-        pat = f"{self.namespace}ragkv:{{*}}:*"
-        names = self._call(lambda: list(self.client.scan_iter(match=pat, count=1000)))
-        for i in range(0, len(names), 512):
-            batch = names[i : i + 512]
+        names = self._scan()
+        for i in range(0, len(names), _SCAN_BATCH):
+            batch = names[i : i + _SCAN_BATCH]
             if self.cluster:
                 for n in batch:
                     self._call(lambda n=n: self.client.delete(n))
@@ -253,19 +294,17 @@ class RedisStore(KVStore):
     def _usage(self) -> dict:
         """Entries (committed headers) and bytes (STRLEN of every key of this namespace): a full
         SCAN, meant for operators (``ragkv stats``), not for the request path."""
-        pat = f"{self.namespace}ragkv:{{*}}:*"
         try:
-            names = self._call(lambda: list(self.client.scan_iter(match=pat, count=1000)))
+            names = self._scan()
             nbytes = 0
-            for i in range(0, len(names), 512):
-                batch = names[i : i + 512]
+            for i in range(0, len(names), _SCAN_BATCH):
                 pipe = self.client.pipeline(transaction=False)
-                for n in batch:
+                for n in names[i : i + _SCAN_BATCH]:
                     pipe.strlen(n)
                 nbytes += sum(int(x or 0) for x in self._call(pipe.execute))
         except StoreError:
             return {"entries": None, "bytes": None, "available": self.available}
-        entries = sum(1 for n in names if (n.decode() if isinstance(n, bytes) else n).endswith(":h"))
+        entries = sum(1 for n in names if n.endswith("}:h"))
         return {"entries": entries, "bytes": nbytes, "available": self.available}
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 MISS_REASONS = ("absent", "corrupt", "unsupported", "error")
 
 
@@ -27,9 +27,15 @@ class Miss:
 ABSENT, CORRUPT, UNSUPPORTED, ERROR = (Miss(r) for r in MISS_REASONS)
 
 
+def is_key(key) -> bool:
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
+
+
 def check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise ValueError(f"invalid store key {key!r}: [A-Za-z0-9._-], at most 200 chars")
+    """The key alphabet every backend enforces: [A-Za-z0-9._-], starting with a letter or digit, at
+    most 200 chars (no path separators, traversal, NUL, glob or hash-tag characters)."""
+    if not is_key(key):
+        raise ValueError(f"invalid store key {key!r}: [A-Za-z0-9._-], starting alphanumeric, at most 200 chars")
     return key
 
 

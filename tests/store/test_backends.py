@@ -288,3 +288,22 @@ def test_redis_stats_count_entries_and_bytes(redis_store):
     enc_bytes = sum(len(e.header) + sum(len(b) for b in e.blobs)
                     for e in (redis_store.get_encoded(m.key) for m in metas))
     assert st["entries"] == 2 and st["bytes"] == enc_bytes
+
+
+BAD_KEYS = ["../x", "/etc/passwd", "a/../../b", "..", ".", ".hidden", "-rf", "x\x00y", "k" * 201, "",
+            "a b", "ok\n", "a*", "{k}", "C:\\x"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_disk_refuses_keys_outside_the_alphabet(tmp_path, key):
+    s = DiskStore(tmp_path / "kv", fsync=False)
+    meta, layers = make_entry()
+    s.put(meta, layers)
+    enc = encode(meta, layers)
+    for op in (lambda: s.contains(key), lambda: s.get(key), lambda: s.get_meta(key), lambda: s.delete(key),
+               lambda: s.get_layer(key, 0), lambda: s.get_layers([meta.key, key], 0),
+               lambda: s.put_encoded(key, enc), lambda: s.path(key)):
+        with pytest.raises(ValueError, match="invalid store key"):
+            op()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]  # nothing written outside the root
+    assert list(s.keys()) == [meta.key] and s.get(meta.key) is not None
