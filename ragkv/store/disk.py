@@ -29,7 +29,6 @@ import fcntl
 import hashlib
 import json
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -40,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from ragkv.store.base import KVStore, Loaded, log, size_from_str, wants_all
+from ragkv.store.disk_io import StreamedBlobs, read_exact
+from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
 from ragkv.store.entry import EncodedEntry, Layout, check_layer_index, decode_header, header_nbytes
 from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
 from ragkv.store.values import check_key
@@ -48,71 +49,10 @@ _SUFFIX = ".kv"
 _HEAD_READ = 64 << 10
 _TMP_STALE_S = 3600.0
 _PAD = bytes(64)
-_STREAM_MIN = 4 << 20  # smaller entries are read in the caller's thread
 
 
 def _fanout(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
-
-
-def _read_exact(fd: int, buf, offset: int) -> None:
-    mv, got = memoryview(buf), 0
-    while got < len(mv):
-        n = os.preadv(fd, [mv[got:]], offset + got)
-        if n == 0:
-            raise CorruptEntry(f"truncated file: wanted {len(mv)} bytes at {offset}, got {got}")
-        got += n
-
-
-def _write_all(fd: int, data) -> None:
-    mv = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-    while len(mv):
-        n = os.write(fd, mv)
-        mv = mv[n:]
-
-
-class _StreamedBlobs:
-    """All layer blobs of one file, read by a helper thread into one buffer while the caller
-    verifies the layers already read (read and checksum overlap: two cores instead of one).
-    Indexing waits for that layer's bytes; a read error is raised where the layer is asked for."""
-
-    def __init__(self, store: DiskStore, fd: int, layout: Layout):
-        self.layout = layout
-        base = layout.data_offset
-        # uninitialised buffer (np.empty): every byte of every blob is written by the reads below
-        self._mv = memoryview(np.empty(layout.data_nbytes, dtype=np.uint8))
-        self._views = [self._mv[ll.offset : ll.offset + ll.nbytes] for ll in layout.layers]
-        self._done = [threading.Event() for _ in layout.layers]
-        self._err: BaseException | None = None
-
-        def read():
-            try:
-                for ll, view, ev in zip(layout.layers, self._views, self._done):
-                    _read_exact(fd, view, base + ll.offset)
-                    ev.set()
-            except BaseException as e:
-                self._err = e
-            finally:
-                os.close(fd)
-                for ev in self._done:
-                    ev.set()
-
-        if not store.parallel_read or layout.data_nbytes < _STREAM_MIN:
-            read()
-        else:
-            store._reader().submit(read)
-
-    def __len__(self) -> int:
-        return len(self._views)
-
-    def __getitem__(self, i: int):
-        self._done[i].wait()
-        if self._err is not None:  # the entry is bad (e.g. truncated under us): refuse all of it
-            raise self._err
-        return self._views[i]
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
 
 
 class DiskStore(KVStore):
@@ -176,14 +116,14 @@ class DiskStore(KVStore):
             _meta, layout = decode_header(header, key)
             self._check_size(layout, size)
             if layers is not None and wants_all(layers):
-                blobs = _StreamedBlobs(self, fd, layout)  # owns fd from here on
+                blobs = StreamedBlobs(self, fd, layout)  # owns fd from here on
                 fd = -1
             else:
                 blobs = []
                 for i in layers or ():
                     ll = layout.layers[check_layer_index(i, layout)]
                     b = memoryview(np.empty(ll.nbytes, dtype=np.uint8))  # every byte is read into
-                    _read_exact(fd, b, layout.data_offset + ll.offset)
+                    read_exact(fd, b, layout.data_offset + ll.offset)
                     blobs.append(b)
         finally:
             if fd >= 0:
