@@ -147,24 +147,29 @@ def clear(store_uri, yes):
 
 @main.command()
 @click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
-@click.option("--max-bytes", required=True, help="evict least recently used entries down to this size (e.g. 10G)")
-def evict(store_uri, max_bytes):
-    """Evict least recently used entries of disk tiers until each fits --max-bytes."""
-    from ragkv.store.base import size_from_str
+@click.option("--max-bytes", required=True, help="evict least recently used entries down to this size (e.g. 10G, at least 1M)")
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+def evict(store_uri, max_bytes, yes):
+    """Evict least recently used entries of disk tiers until each fits --max-bytes (`ragkv clear`
+    empties a store). Shows what it would delete and asks first."""
+    from ragkv.store.values import typed_budget
 
     try:
-        limit = size_from_str(max_bytes)
+        limit = typed_budget(max_bytes)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--max-bytes") from None
     if limit is None:
-        raise click.BadParameter("give a size (0 empties the store)", param_hint="--max-bytes")
+        raise click.BadParameter("give a size of at least 1M (to empty a store: `ragkv clear`)", param_hint="--max-bytes")
     with _open_store(store_uri) as store:
         for tier in getattr(store, "tiers", [store]):
-            if not hasattr(tier, "evict"):
+            if not hasattr(tier, "plan_eviction"):
                 click.echo(f"{tier.uri}: no eviction here (redis: use maxmemory/ttl)", err=True)
                 continue
-            tier.max_bytes = limit
-            n = tier.evict()
+            n, nbytes = tier.plan_eviction(limit)
+            if n and not yes:
+                click.confirm(f"evict {n} entries ({nbytes} bytes) from {tier.uri} to fit {limit} bytes?",
+                              abort=True, err=True)
+            n = tier.evict(limit) if n else 0
             click.echo(f"{tier.uri}: evicted {n} entries", err=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -66,17 +67,50 @@ def test_clear_asks_then_clears(disk_uri):
     assert json.loads(_invoke("stats", "--store", disk_uri, "--json").stdout)["tiers"][0]["entries"] == 0
 
 
-def test_evict_to_size(disk_uri):
-    total = json.loads(_invoke("stats", "--store", disk_uri, "--json").stdout)["tiers"][0]["bytes"]
-    r = _invoke("evict", "--store", disk_uri, "--max-bytes", str(total // 2))  # entries ~ total/3 each
+@pytest.fixture
+def big_disk_uri(tmp_path):
+    """3 entries of ~0.5 MiB each (eviction budgets start at 1 MiB)."""
+    uri = f"disk://{tmp_path / 'big'}"
+    with open_store(uri) as s:
+        _put(s, 3, tokens=2048)
+    return uri
+
+
+def _entries(uri) -> int:
+    return json.loads(_invoke("stats", "--store", uri, "--json").stdout)["tiers"][0]["entries"]
+
+
+def test_evict_to_size(big_disk_uri):
+    r = _invoke("evict", "--store", big_disk_uri, "--max-bytes", "1M", "--yes")  # entries ~ 0.5 MiB each
     assert r.exit_code == 0 and "evicted 2" in r.stderr
-    assert json.loads(_invoke("stats", "--store", disk_uri, "--json").stdout)["tiers"][0]["entries"] == 1
-    assert _invoke("evict", "--store", disk_uri, "--max-bytes", "lots").exit_code == 2
+    assert _entries(big_disk_uri) == 1
+    assert _invoke("evict", "--store", big_disk_uri, "--max-bytes", "lots").exit_code == 2
 
 
-def test_bad_store_uri():
-    r = _invoke("stats", "--store", "ftp://x")
-    assert r.exit_code == 2 and "unknown store scheme" in r.output
+def test_evict_asks_first_showing_what_it_would_delete(big_disk_uri):
+    total = json.loads(_invoke("stats", "--store", big_disk_uri, "--json").stdout)["tiers"][0]["bytes"]
+    r = _invoke("evict", "--store", big_disk_uri, "--max-bytes", "1M", input="n\n")
+    assert r.exit_code == 1 and "Aborted" in r.output
+    assert re.search(r"evict 2 entries \((\d+) bytes\)", r.output), r.output
+    assert int(re.search(r"\((\d+) bytes\)", r.output).group(1)) > total // 2
+    assert _entries(big_disk_uri) == 3
+    r = _invoke("evict", "--store", big_disk_uri, "--max-bytes", "1M", input="y\n")
+    assert r.exit_code == 0 and _entries(big_disk_uri) == 1
+    r = _invoke("evict", "--store", big_disk_uri, "--max-bytes", "10G")  # nothing to do: no question
+    assert r.exit_code == 0 and "evicted 0" in r.stderr
+
+
+@pytest.mark.parametrize("size,match", [("10", "smaller than one entry"), ("-1", "negative"), ("0", "ragkv clear")])
+def test_evict_refuses_tiny_or_negative_budgets(disk_uri, size, match):
+    r = _invoke("evict", "--store", disk_uri, "--max-bytes", size)  # refused before any question
+    assert r.exit_code == 2 and match in r.output, r.output
+    assert _entries(disk_uri) == 3
+
+
+def test_disk_uri_with_a_tiny_budget_is_refused(disk_uri):
+    r = _invoke("stats", "--store", disk_uri + "?max_bytes=10")
+    assert r.exit_code == 2 and "did you mean 10G" in r.output
+    assert _entries(disk_uri) == 3
 
 
 @pytest.mark.parametrize("spec", ["2/2", "1", "a/b", "-1/2", "0/0", "1/2/3"])

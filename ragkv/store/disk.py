@@ -38,12 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ragkv.store.base import KVStore, Loaded, log, size_from_str, wants_all
+from ragkv.store.base import KVStore, Loaded, log, wants_all
 from ragkv.store.disk_io import StreamedBlobs, read_exact
 from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
 from ragkv.store.entry import EncodedEntry, Layout, check_layer_index, decode_header, header_nbytes
 from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
-from ragkv.store.values import check_key
+from ragkv.store.values import budget_from, check_key
 
 _SUFFIX = ".kv"
 _HEAD_READ = 64 << 10
@@ -66,7 +66,7 @@ class DiskStore(KVStore):
     ):
         super().__init__()
         self.root = Path(root).expanduser().resolve()
-        self.max_bytes = size_from_str(max_bytes)
+        self.max_bytes = budget_from(max_bytes)
         self.fsync = fsync
         self.rescan_every = rescan_every
         # overlap file reads with checksum verification on a helper thread; it needs a second core
@@ -82,6 +82,10 @@ class DiskStore(KVStore):
         self._pool: ThreadPoolExecutor | None = None
         with self._flock():
             self._rescan(load_index=True)
+        if self.max_bytes is not None and self._bytes > self.max_bytes:
+            log.warning("%s: the directory holds %d bytes in %d entries, more than max_bytes=%d; "
+                        "the first write will evict down to it", self.uri, self._bytes, len(self._index),
+                        self.max_bytes)
 
     @property
     def uri(self) -> str:
@@ -138,6 +142,9 @@ class DiskStore(KVStore):
 
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
         p = self.path(key)
+        if self.max_bytes is not None and layout.total_nbytes > self.max_bytes:  # would evict all
+            raise StoreFull(f"disk store {self.root}: entry {key} is {layout.total_nbytes} bytes, larger than "
+                            f"the whole budget max_bytes={self.max_bytes}; not stored, nothing evicted")
         if p.exists():
             return False
         p.parent.mkdir(exist_ok=True)
@@ -221,24 +228,38 @@ class DiskStore(KVStore):
 
     # ---- index / eviction -----------------------------------------------------------------------
 
-    def evict(self) -> int:
-        """Rescan the directory and delete LRU unpinned entries until within budget."""
+    def evict(self, max_bytes: int | None = None) -> int:
+        """Rescan the directory and delete least recently used unpinned entries until it fits
+        ``max_bytes`` (default: the store's own budget; the store's budget is not changed)."""
+        limit = self.max_bytes if max_bytes is None else max_bytes
         n = 0
         with self._flock():
             self._rescan(load_index=False)
-            if self.max_bytes is not None and self._bytes > self.max_bytes:
-                with self._lock:
-                    order = sorted(self._index.items(), key=lambda kv: kv[1][1])
-                for key, _ in order:
-                    if self._bytes <= self.max_bytes:
-                        break
-                    if self.is_pinned(key):
-                        continue
-                    if self._remove(key):
-                        n += 1
-                self._count("evictions", n)
+            for key, _ in self._victims(limit):
+                n += self._remove(key)
+            self._count("evictions", n)
             self._save_index()
         return n
+
+    def plan_eviction(self, max_bytes: int) -> tuple[int, int]:
+        """(entries, bytes) that ``evict(max_bytes)`` would delete now; deletes nothing."""
+        with self._flock():
+            self._rescan(load_index=False)
+            victims = self._victims(max_bytes)
+        return len(victims), sum(nbytes for _, nbytes in victims)
+
+    def _victims(self, limit: int | None) -> list[tuple[str, int]]:
+        """LRU unpinned entries to delete so that the directory fits ``limit`` (lock held)."""
+        with self._lock:
+            total, order = self._bytes, sorted(self._index.items(), key=lambda kv: kv[1][1])
+        out = []
+        for key, (nbytes, _) in order:
+            if limit is None or total <= limit:
+                break
+            if not self.is_pinned(key):
+                out.append((key, nbytes))
+                total -= nbytes
+        return out
 
     @contextmanager
     def _flock(self):

@@ -21,4 +21,5 @@ class StoreError(Exception):
 
 
 class StoreFull(StoreError):
-    """No space left where the backend writes (ENOSPC/EDQUOT); the message names the path."""
+    """No space left where the backend writes (ENOSPC/EDQUOT; the message names the path), or an
+    entry larger than the store's whole byte budget (the message names both sizes)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ragkv.store.base import KVStore, size_from_str
+from ragkv.store.base import KVStore
+from ragkv.store.values import typed_budget
 
 SCHEMES = ("memory", "disk", "redis", "rediss", "redis+cluster", "rediss+cluster")
 _OPTIONS = {
@@ -54,7 +55,7 @@ def open_one(uri: str) -> KVStore:
         o, _ = _opts("memory", parts.query)
         if parts.netloc or parts.path:
             raise ValueError(f"memory store takes no path: {uri!r}")
-        return MemoryStore(max_bytes=size_from_str(o.get("max_bytes", str(1 << 30))))
+        return MemoryStore(max_bytes=typed_budget(o.get("max_bytes", "1G")))
     if scheme == "disk":
         from ragkv.store.disk import DiskStore
 
@@ -64,7 +65,7 @@ def open_one(uri: str) -> KVStore:
             raise ValueError(f"disk store needs a path: disk:///abs/path, got {uri!r}")
         return DiskStore(
             path,
-            max_bytes=size_from_str(o.get("max_bytes", str(10 << 30))),
+            max_bytes=typed_budget(o.get("max_bytes", "10G")),
             fsync=_bool("fsync", o.get("fsync", "1")),
         )
     from ragkv.store.redis_store import RedisStore
