@@ -10,6 +10,8 @@ Public API and who calls it
   Returned tensors are owned by the caller (in-place writes never reach the store).
 - TieredStore: ``put_encoded(key, enc)`` / ``get_encoded(key)`` to copy an entry between tiers
   without re-quantizing.
+- precompute job: ``missing_tiers(key)`` (the tiers lacking a valid copy) and ``fill(key)`` (copy a
+  verified copy into them) to repair partial tier stacks instead of skipping them.
 - engine around a request: ``with store.pin(keys):`` keeps those entries from eviction (re-entrant,
   reference counted, per process).
 - operators / CLI: ``keys()``, ``stats()``, ``delete(key)``, ``clear()``, ``close()``.
@@ -99,6 +101,16 @@ class KVStore(ABC):
     def clear(self) -> None:
         for k in list(self.keys()):
             self._remove(k)
+
+    def missing_tiers(self, key: str) -> list[KVStore]:
+        """The stores that lack a valid entry for ``key``: here ``[]`` or ``[self]``; a
+        TieredStore lists its tiers that lack it (e.g. Redis restarted empty under a disk tier)."""
+        return [] if self.contains(key) else [self]
+
+    def fill(self, key: str) -> bool:
+        """Copy ``key`` into the tiers that lack it from one holding a verified copy; True when
+        every tier now holds it. A single store has nothing to copy from: True iff it holds it."""
+        return self.contains(key)
 
     def _usage(self) -> dict:
         return {"entries": None, "bytes": None}
@@ -249,10 +261,11 @@ class KVStore(ABC):
         self._count("misses")
         return ABSENT
 
-    def _corrupt(self, key: str, err: Exception) -> Miss:
-        """Evidence of damage: counted, a miss, the entry removed."""
+    def _corrupt(self, key: str, err: Exception, miss: bool = True) -> Miss:
+        """Evidence of damage: counted, a miss (unless found by ``contains``), the entry removed."""
         self._count("corruptions")
-        self._count("misses")
+        if miss:
+            self._count("misses")
         log.warning("%s: corrupt entry %s removed: %s", self.uri, key, err)
         try:
             self._remove(key)

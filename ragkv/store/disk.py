@@ -42,7 +42,7 @@ from ragkv.store.base import KVStore, Loaded, log, wants_all
 from ragkv.store.disk_io import StreamedBlobs, read_exact
 from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
 from ragkv.store.entry import EncodedEntry, Layout, check_layer_index, decode_header, header_nbytes
-from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
+from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, UnsupportedEntry
 from ragkv.store.values import budget_from, check_key
 
 _SUFFIX = ".kv"
@@ -101,7 +101,41 @@ class DiskStore(KVStore):
     # ---- hooks --------------------------------------------------------------------------------
 
     def contains(self, key: str) -> bool:
-        return self.path(key).exists()
+        """A complete entry file is there: its header is valid and bound to ``key`` and the file
+        size is the header's total (cheap: no checksum). A truncated or garbage file is counted as
+        corrupt and removed, so a put rewrites it; an entry of a newer format counts as present."""
+        p = self.path(key)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            self._read_header(fd, key)
+            return True
+        except UnsupportedEntry:
+            return True
+        except CorruptEntry as e:
+            self._corrupt(key, e, miss=False)
+            return False
+        except OSError as e:
+            log.debug("%s: contains(%s) could not read: %s", self.uri, key, e)
+            return False
+        finally:
+            os.close(fd)
+
+    def _read_header(self, fd: int, key: str) -> tuple[bytes, Layout, int]:
+        """The validated header of an open entry file, its layout, and the file size (which must
+        be the header's total)."""
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, min(size, _HEAD_READ), 0)
+        n = header_nbytes(head)
+        if n > len(head):
+            head += os.pread(fd, n - len(head), len(head))
+        header = head[:n]
+        _meta, layout = decode_header(header, key)
+        if size != layout.total_nbytes:
+            raise CorruptEntry(f"file is {size} bytes, header says {layout.total_nbytes}")
+        return header, layout, size
 
     def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         p = self.path(key)
@@ -111,14 +145,7 @@ class DiskStore(KVStore):
             self._forget(key)
             return None
         try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, min(size, _HEAD_READ), 0)
-            n = header_nbytes(head)
-            if n > len(head):
-                head += os.pread(fd, n - len(head), len(head))
-            header = head[:n]
-            _meta, layout = decode_header(header, key)
-            self._check_size(layout, size)
+            header, layout, size = self._read_header(fd, key)
             if layers is not None and wants_all(layers):
                 blobs = StreamedBlobs(self, fd, layout)  # owns fd from here on
                 fd = -1
@@ -134,11 +161,6 @@ class DiskStore(KVStore):
                 os.close(fd)
         self._touch(key, p, size)
         return header, layout, blobs
-
-    @staticmethod
-    def _check_size(layout: Layout, size: int) -> None:
-        if size != layout.total_nbytes:
-            raise CorruptEntry(f"file is {size} bytes, header says {layout.total_nbytes}")
 
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
         p = self.path(key)
