@@ -3,7 +3,7 @@
 Layout under ``root``::
 
     objects/<2 hex fan-out>/<key>.kv     header | pad to 64 | blob 0 | blob 1 | ...
-    objects/<xx>/.tmp-<key>-<pid>-<rand> in-flight writes (removed on failure, swept when stale)
+    objects/<xx>/.tmp-<key>-<host>-<pid>-<rand>   in-flight writes (removed on failure)
     index.json                           {key: [bytes, last access]} (a cache of the directory)
     .lock                                fcntl lock taken for index writes and eviction
 
@@ -20,6 +20,10 @@ Layout under ``root``::
 - Restart: ``index.json`` gives sizes and access times without a stat per file; the directory
   listing is always compared with it and anything missing or extra is stat-ed (lost or stale
   index -> rebuilt by scanning).
+- Temp files: every rescan (at open, at evict) deletes those of a dead writer on this host right
+  away (the name carries host and pid: a ``kill -9`` mid-write leaves nothing behind for long) and
+  those of other hosts (shared NFS) or of older versions after an hour; live ones count toward
+  ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -27,10 +31,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
@@ -38,16 +40,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ragkv.store import disk_io
 from ragkv.store.base import KVStore, Loaded, log, wants_all
-from ragkv.store.disk_io import StreamedBlobs, read_exact
+from ragkv.store.disk_io import SUFFIX, StreamedBlobs, read_exact
 from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
 from ragkv.store.entry import EncodedEntry, Layout, check_layer_index, decode_header, header_nbytes
 from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, UnsupportedEntry
 from ragkv.store.values import budget_from, check_key
 
-_SUFFIX = ".kv"
 _HEAD_READ = 64 << 10
-_TMP_STALE_S = 3600.0
 _PAD = bytes(64)
 
 
@@ -78,14 +79,15 @@ class DiskStore(KVStore):
         self._index_path = self.root / "index.json"
         self._index: dict[str, list] = {}  # key -> [nbytes, last access (mtime)]
         self._bytes = 0
+        self._tmp_bytes = 0  # live temp files (in-flight writes) at the last scan
         self._puts_since_scan = 0
         self._pool: ThreadPoolExecutor | None = None
         with self._flock():
             self._rescan(load_index=True)
-        if self.max_bytes is not None and self._bytes > self.max_bytes:
+        if self.max_bytes is not None and self._bytes + self._tmp_bytes > self.max_bytes:
             log.warning("%s: the directory holds %d bytes in %d entries, more than max_bytes=%d; "
-                        "the first write will evict down to it", self.uri, self._bytes, len(self._index),
-                        self.max_bytes)
+                        "the first write will evict down to it", self.uri, self._bytes + self._tmp_bytes,
+                        len(self._index), self.max_bytes)
 
     @property
     def uri(self) -> str:
@@ -96,7 +98,7 @@ class DiskStore(KVStore):
 
     def path(self, key: str) -> Path:
         check_key(key)
-        return self._objects / _fanout(key) / (key + _SUFFIX)
+        return self._objects / _fanout(key) / (key + SUFFIX)
 
     # ---- hooks --------------------------------------------------------------------------------
 
@@ -170,7 +172,7 @@ class DiskStore(KVStore):
         if p.exists():
             return False
         p.parent.mkdir(exist_ok=True)
-        tmp = p.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = p.parent / disk_io.tmp_name(key)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -194,7 +196,7 @@ class DiskStore(KVStore):
                 self._bytes += layout.total_nbytes
             self._index[key] = [layout.total_nbytes, time.time()]
             self._puts_since_scan += 1
-            need = (self.max_bytes is not None and self._bytes > self.max_bytes) or (
+            need = (self.max_bytes is not None and self._bytes + self._tmp_bytes > self.max_bytes) or (
                 self._puts_since_scan >= self.rescan_every
             )
         if need:
@@ -219,8 +221,8 @@ class DiskStore(KVStore):
             except FileNotFoundError:
                 continue
             for name in names:
-                if name.endswith(_SUFFIX) and not name.startswith("."):
-                    yield name[: -len(_SUFFIX)]
+                if name.endswith(SUFFIX) and not name.startswith("."):
+                    yield name[: -len(SUFFIX)]
 
     def clear(self) -> None:
         with self._flock():
@@ -246,7 +248,8 @@ class DiskStore(KVStore):
 
     def _usage(self) -> dict:
         with self._lock:
-            return {"entries": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes}
+            return {"entries": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                    "tmp_bytes": self._tmp_bytes}
 
     # ---- index / eviction -----------------------------------------------------------------------
 
@@ -272,8 +275,8 @@ class DiskStore(KVStore):
 
     def _victims(self, limit: int | None) -> list[tuple[str, int]]:
         """LRU unpinned entries to delete so that the directory fits ``limit`` (lock held)."""
-        with self._lock:
-            total, order = self._bytes, sorted(self._index.items(), key=lambda kv: kv[1][1])
+        with self._lock:  # live temp files count: they become entries
+            total, order = self._bytes + self._tmp_bytes, sorted(self._index.items(), key=lambda kv: kv[1][1])
         out = []
         for key, (nbytes, _) in order:
             if limit is None or total <= limit:
@@ -311,56 +314,22 @@ class DiskStore(KVStore):
                 self._bytes -= e[0]
 
     def _rescan(self, load_index: bool) -> None:
-        """Reconcile the index with the directory (lock held). Known entries keep their cached
-        size; their access time is refreshed from mtime; unknown ones are stat-ed."""
-        cached: dict[str, list] = {}
+        """Reconcile the index with the directory (lock held), sweeping orphaned temp files. Known
+        entries keep their cached size; their access time is refreshed from mtime; unknown ones
+        are stat-ed."""
         if load_index:
-            try:
-                doc = json.loads(self._index_path.read_text())
-                if isinstance(doc, dict) and doc.get("version") == 1 and isinstance(doc.get("entries"), dict):
-                    cached = {
-                        k: [int(v[0]), float(v[1])]
-                        for k, v in doc["entries"].items()
-                        if isinstance(v, list) and len(v) == 2
-                    }
-            except (OSError, ValueError, TypeError):
-                cached = {}  # lost or unreadable index: rebuilt from the scan below
+            cached = disk_io.load_index(self._index_path)
         else:
             with self._lock:
                 cached = {k: list(v) for k, v in self._index.items()}
-        index: dict[str, list] = {}
-        now = time.time()
-        for sub in os.scandir(self._objects):
-            if not sub.is_dir():
-                continue
-            for de in os.scandir(sub.path):
-                name = de.name
-                if name.startswith(".tmp-"):
-                    try:
-                        if now - de.stat().st_mtime > _TMP_STALE_S:
-                            os.unlink(de.path)
-                    except OSError:
-                        pass
-                    continue
-                if not name.endswith(_SUFFIX):
-                    continue
-                key = name[: -len(_SUFFIX)]
-                if key in cached and load_index:
-                    index[key] = cached[key]
-                    continue
-                try:
-                    st = de.stat()
-                except FileNotFoundError:
-                    continue
-                index[key] = [st.st_size, max(st.st_mtime, cached.get(key, [0, 0.0])[1])]
+        index, tmp_bytes = disk_io.scan_objects(self._objects, cached, trust_cached=load_index)
         with self._lock:
             self._index = index
             self._bytes = sum(v[0] for v in index.values())
+            self._tmp_bytes = tmp_bytes
             self._puts_since_scan = 0
 
     def _save_index(self) -> None:
         with self._lock:
-            doc = {"version": 1, "entries": dict(self._index)}
-        tmp = self._index_path.with_name(f".index-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(doc, separators=(",", ":")))
-        os.replace(tmp, self._index_path)
+            entries = dict(self._index)
+        disk_io.save_index(self._index_path, entries)

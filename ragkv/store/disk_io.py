@@ -1,10 +1,17 @@
-"""Low-level file I/O of the disk store: exact positional reads, full writes, and the streamed
-whole-entry read that overlaps reading with checksum verification."""
+"""Low-level file I/O of the disk store: exact positional reads, full writes, the streamed
+whole-entry read that overlaps reading with checksum verification, temp-file names and the
+directory scan that sweeps orphaned temp files, and the index file."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
 import threading
+import time
+import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,6 +23,12 @@ if TYPE_CHECKING:
     from ragkv.store.disk import DiskStore
 
 STREAM_MIN = 4 << 20  # smaller entries are read in the caller's thread
+SUFFIX = ".kv"
+TMP_STALE_S = 3600.0  # temp files of other hosts (shared NFS) are swept after this age
+# this host in temp names; '-' separates the name's fields, so it is replaced (capped: the name
+# ".tmp-<200-char key>-<host>-<pid>-<rand>" stays under 255 bytes)
+HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:24] or "localhost"
+_TMP_RE = re.compile(r"\.tmp-.+-(?P<host>[A-Za-z0-9._]+)-(?P<pid>[0-9]+)-[0-9a-f]+")
 
 
 def read_exact(fd: int, buf, offset: int) -> None:
@@ -76,3 +89,85 @@ class StreamedBlobs:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+
+# ---- temp files and the directory scan ---------------------------------------------------------
+
+
+def tmp_name(key: str) -> str:
+    """Name of an in-flight write of ``key``: it says which host and process is writing it."""
+    return f".tmp-{key}-{HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+def tmp_is_orphan(name: str, mtime: float, now: float) -> bool:
+    """Nobody will finish this temp file: its writer on this host is dead (swept right away), or it
+    is older than TMP_STALE_S (other hosts' writers, names of older versions, reused pids)."""
+    if now - mtime > TMP_STALE_S:
+        return True
+    m = _TMP_RE.fullmatch(name)
+    return m is not None and m["host"] == HOST and not _pid_alive(int(m["pid"]))
+
+
+def scan_objects(objects: Path, cached: dict[str, list], trust_cached: bool) -> tuple[dict[str, list], int]:
+    """(key -> [nbytes, last access], bytes of live temp files) from the directory, deleting
+    orphaned temp files. Entries in ``cached`` keep their size (and, with ``trust_cached``, their
+    access time); others are stat-ed."""
+    index: dict[str, list] = {}
+    tmp_bytes, now = 0, time.time()
+    for sub in os.scandir(objects):
+        if not sub.is_dir():
+            continue
+        for de in os.scandir(sub.path):
+            name = de.name
+            if name.startswith(".tmp-"):
+                try:
+                    st = de.stat()
+                    if tmp_is_orphan(name, st.st_mtime, now):
+                        os.unlink(de.path)
+                    else:
+                        tmp_bytes += st.st_size  # a live write: it counts toward the budget
+                except OSError:
+                    pass
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            key = name[: -len(SUFFIX)]
+            if key in cached and trust_cached:
+                index[key] = cached[key]
+                continue
+            try:
+                st = de.stat()
+            except FileNotFoundError:
+                continue
+            index[key] = [st.st_size, max(st.st_mtime, cached.get(key, [0, 0.0])[1])]
+    return index, tmp_bytes
+
+
+def load_index(path: Path) -> dict[str, list]:
+    """The index file's entries; {} when lost or unreadable (rebuilt by the scan)."""
+    try:
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and doc.get("version") == 1 and isinstance(doc.get("entries"), dict):
+            return {k: [int(v[0]), float(v[1])] for k, v in doc["entries"].items()
+                    if isinstance(v, list) and len(v) == 2}
+    except (OSError, ValueError, TypeError):
+        pass
+    return {}
+
+
+def save_index(path: Path, entries: dict[str, list]) -> None:
+    tmp = path.with_name(f".index-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps({"version": 1, "entries": entries}, separators=(",", ":")))
+    os.replace(tmp, path)
