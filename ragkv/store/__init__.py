@@ -12,8 +12,8 @@ from ragkv.store.entry import (
     encode_stored,
     quantize_layer,
 )
-from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, UnsupportedEntry
-from ragkv.store.uri import open_store
+from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedEntry
+from ragkv.store.uri import open_store, redact_uri
 from ragkv.store.values import Miss
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "Miss",
     "StoreError",
     "StoreFull",
+    "StoreUnavailable",
     "StoredLayer",
     "UnsupportedEntry",
     "decode_header",
@@ -33,4 +34,5 @@ __all__ = [
     "encode_stored",
     "open_store",
     "quantize_layer",
+    "redact_uri",
 ]

@@ -14,7 +14,9 @@ Public API and who calls it
   verified copy into them) to repair partial tier stacks instead of skipping them.
 - engine around a request: ``with store.pin(keys):`` keeps those entries from eviction (re-entrant,
   reference counted, per process).
-- operators / CLI: ``keys()``, ``stats()``, ``delete(key)``, ``clear()``, ``close()``.
+- operators / CLI: ``check()`` (StoreUnavailable when the backend cannot be used), ``keys()``,
+  ``stats()``, ``delete(key)``, ``clear()``, ``close()``. ``uri`` and every message show URIs with
+  secrets redacted.
 
 Reads never raise for bad data or an unreachable backend: a corrupt entry (``CorruptEntry``) is
 counted, removed and returned as a miss; an entry of another format version (``UnsupportedEntry``,
@@ -22,7 +24,7 @@ e.g. from a newer writer) is counted as ``unsupported``, logged once per key, le
 returned as a miss; an I/O or connection error is counted as an error and returned as a miss. Writes of a single backend raise ``StoreError``/``StoreFull``.
 
 Backend hooks (abstract): ``uri``, ``_load``, ``_store``, ``_remove``, ``keys``. Optional with
-defaults: ``contains``, ``clear``, ``_usage``, ``close``.
+defaults: ``contains``, ``clear``, ``_usage``, ``check``, ``close``.
 """
 
 from __future__ import annotations
@@ -114,6 +116,11 @@ class KVStore(ABC):
 
     def _usage(self) -> dict:
         return {"entries": None, "bytes": None}
+
+    def check(self) -> None:  # noqa: B027 - optional hook: a memory store is always usable
+        """Raise ``StoreUnavailable`` (a clear message, secrets redacted) when the backend cannot
+        be used at all: Redis PING (credentials included), disk root writable, every tier of a
+        TieredStore. Reads and writes never need it; operators' tools call it first."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Release connections / flush the index. Safe to call twice."""

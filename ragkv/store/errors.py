@@ -20,6 +20,12 @@ class StoreError(Exception):
     """A backend could not carry out an operation (I/O error, unreachable server)."""
 
 
+class StoreUnavailable(StoreError):
+    """The backend cannot be used at all (``KVStore.check()``, opening a store): unreachable server,
+    refused credentials, a root directory that cannot be written. The message names the backend
+    (secrets redacted) and the cause."""
+
+
 class StoreFull(StoreError):
     """No space left where the backend writes (ENOSPC/EDQUOT; the message names the path), or an
     entry larger than the store's whole byte budget (the message names both sizes)."""

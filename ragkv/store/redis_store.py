@@ -32,8 +32,8 @@ import time
 from collections.abc import Iterator, Sequence
 
 import redis
+from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ragkv.store.base import KVStore, Loaded, Miss, log, wants_all
@@ -45,8 +45,8 @@ from ragkv.store.entry import (
     decode_header,
     decode_layer,
 )
-from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
-from ragkv.store.values import check_key, is_key
+from ragkv.store.errors import CorruptEntry, StoreError, StoreUnavailable, UnsupportedEntry
+from ragkv.store.values import check_key, is_key, redact_uri
 
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
 _NS_RE = re.compile(r"[A-Za-z0-9_.:-]*")
@@ -70,13 +70,20 @@ class RedisStore(KVStore):
         max_backoff_s: float = 30.0,
         **client_kwargs,
     ):
+        """``url``: a redis-py URL (keep secrets out of logs: the store shows ``redact_uri(url)``);
+        ``ttl``: whole seconds >= 1 or None; ``client_kwargs``: redis-py connection options."""
         super().__init__()
         if not isinstance(namespace, str) or not _NS_RE.fullmatch(namespace):
             raise ValueError(
                 f"redis namespace {namespace!r}: use only [A-Za-z0-9_.:-] (no glob characters, no '/', "
                 "no hash-tag braces)"
             )
-        self.url, self.ttl, self.namespace, self.cluster = url, ttl, namespace, cluster
+        if ttl == 0:
+            ttl = None
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"redis ttl {ttl!r}: expected whole seconds >= 1 (or None: no TTL)")
+        self._url, self.ttl, self.namespace, self.cluster = url, ttl, namespace, cluster
+        self._options = dict(client_kwargs)  # as given: shown (secrets masked) in ``uri``
         client_kwargs.setdefault("socket_connect_timeout", 1.0)
         client_kwargs.setdefault("socket_timeout", 10.0)
         if cluster:
@@ -91,16 +98,28 @@ class RedisStore(KVStore):
 
     @property
     def uri(self) -> str:
-        safe = self.url
-        if "@" in safe:  # never show a password
-            scheme, rest = safe.split("://", 1)
-            safe = f"{scheme}://***@{rest.split('@', 1)[1]}"
+        """The URL with its options, every secret shown as ``***`` (``redact_uri``)."""
         q = [f"ttl={self.ttl}"] if self.ttl else []
         if self.namespace:
             q.append(f"namespace={self.namespace}")
-        if self.cluster and not safe.startswith("redis+cluster"):
+        if self.cluster and not self._url.startswith("redis+cluster"):
             q.append("cluster=1")
-        return safe + (("&" if "?" in safe else "?") + "&".join(q) if q else "")
+        q += [f"{k}={v}" for k, v in self._options.items()]
+        return redact_uri(self._url + (("&" if "?" in self._url else "?") + "&".join(q) if q else ""))
+
+    def check(self) -> None:
+        """PING now (no back-off): StoreUnavailable naming the server when it cannot be reached or
+        refuses our credentials."""
+        try:
+            self.client.ping()
+        except AuthenticationError as e:
+            raise StoreUnavailable(f"{self.uri}: authentication failed: {e}") from None
+        except RedisError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                raise StoreUnavailable(f"{self.uri}: authentication failed: {e}") from None
+            raise StoreUnavailable(f"{self.uri}: cannot connect: {e}") from None
+        except _DOWN_ERRORS as e:
+            raise StoreUnavailable(f"{self.uri}: cannot connect: {e}") from None
 
     def _base(self, key: str) -> str:
         return f"ragkv:{self.namespace}/{{{check_key(key)}}}"

@@ -34,7 +34,7 @@ from ragkv.store.entry import (
     decode_header,
     encode,
 )
-from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
+from ragkv.store.errors import CorruptEntry, StoreError, StoreUnavailable, UnsupportedEntry
 from ragkv.store.values import Miss, check_key
 
 _REASON_ORDER = ("error", "corrupt", "unsupported", "absent")  # most telling first
@@ -78,6 +78,17 @@ class TieredStore(KVStore):
                 if k not in seen:
                     seen.add(k)
                     yield k
+
+    def check(self) -> None:
+        """Check every tier; StoreUnavailable naming each failing tier (``tier 3 of 3: ...``)."""
+        bad = []
+        for j, t in enumerate(self.tiers, 1):
+            try:
+                t.check()
+            except StoreUnavailable as e:
+                bad.append(f"tier {j} of {len(self.tiers)}: {e}")
+        if bad:
+            raise StoreUnavailable("; ".join(bad))
 
     def contains(self, key: str) -> bool:
         """Any tier holds it (see ``missing_tiers`` for the ones that do not)."""
