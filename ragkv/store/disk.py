@@ -7,6 +7,9 @@ Layout under ``root``::
     index.json                           {key: [bytes, last access]} (a cache of the directory)
     .lock                                fcntl lock taken for index writes and eviction
 
+Files are created with ``mode`` (0o600 by default), directories with the matching x bits (0o700),
+whatever the umask; directories that already exist keep their mode.
+
 - Writes: temp file in the entry's directory, fsync, ``os.replace`` -> readers see the whole entry
   or none. ENOSPC/EDQUOT -> ``StoreFull`` naming the path; the temp file is removed.
 - Reads: ``get_layer`` reads the header then ``pread``s only that layer's byte range; ``get`` reads
@@ -65,8 +68,13 @@ class DiskStore(KVStore):
         fsync: bool = True,
         rescan_every: int = 64,
         parallel_read: bool | None = None,
+        mode: int = 0o600,
     ):
+        """``mode``: of every file the store creates (entries, temp files, index, lock); its
+        directories get the matching x bits. 0o600/0o700 by default: entries hold token ids in
+        clear; 0o640 lets a group read a shared directory (0o660: and write it)."""
         super().__init__()
+        self.mode = disk_io.check_mode(mode)
         self.root = Path(root).expanduser().resolve()
         self.max_bytes = budget_from(max_bytes)
         self.fsync = fsync
@@ -83,7 +91,7 @@ class DiskStore(KVStore):
         self._puts_since_scan = 0
         self._pool: ThreadPoolExecutor | None = None
         try:
-            self._objects.mkdir(parents=True, exist_ok=True)
+            disk_io.makedirs(self._objects, self.mode)
             with self._flock():
                 self._rescan(load_index=True)
         except (NotADirectoryError, FileExistsError):
@@ -100,6 +108,8 @@ class DiskStore(KVStore):
         q = [] if self.max_bytes is None else [f"max_bytes={self.max_bytes}"]
         if not self.fsync:
             q.append("fsync=0")
+        if self.mode != 0o600:
+            q.append(f"mode={self.mode:04o}")
         return f"disk://{self.root}" + ("?" + "&".join(q) if q else "")
 
     def check(self) -> None:
@@ -188,10 +198,10 @@ class DiskStore(KVStore):
                             f"the whole budget max_bytes={self.max_bytes}; not stored, nothing evicted")
         if p.exists():
             return False
-        p.parent.mkdir(exist_ok=True)
+        disk_io.makedirs(p.parent, self.mode)
         tmp = p.parent / disk_io.tmp_name(key)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = disk_io.create(tmp, self.mode)
             try:
                 _write_all(fd, enc.header)
                 _write_all(fd, _PAD[: layout.data_offset - len(enc.header)])
@@ -305,7 +315,11 @@ class DiskStore(KVStore):
 
     @contextmanager
     def _flock(self):
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.mode)
+            os.fchmod(fd, self.mode)
+        except FileExistsError:
+            fd = os.open(self._lock_path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -349,4 +363,4 @@ class DiskStore(KVStore):
     def _save_index(self) -> None:
         with self._lock:
             entries = dict(self._index)
-        disk_io.save_index(self._index_path, entries)
+        disk_io.save_index(self._index_path, entries, self.mode)

@@ -167,7 +167,52 @@ def load_index(path: Path) -> dict[str, list]:
     return {}
 
 
-def save_index(path: Path, entries: dict[str, list]) -> None:
+def save_index(path: Path, entries: dict[str, list], mode: int) -> None:
     tmp = path.with_name(f".index-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps({"version": 1, "entries": entries}, separators=(",", ":")))
+    fd = create(tmp, mode)
+    try:
+        write_all(fd, json.dumps({"version": 1, "entries": entries}, separators=(",", ":")).encode())
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
+
+
+# ---- modes: owner-only unless the store's mode shares with a group ----------------------------
+
+
+def check_mode(mode: int) -> int:
+    """A store's file mode: permission bits within 0o666, owner read+write. Directories get the
+    matching x bits (``dir_mode``)."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or mode & ~0o777:
+        raise ValueError(f"file mode {mode!r}: only permission bits within 0o666 are allowed")
+    if mode & 0o111:
+        raise ValueError(f"file mode {mode:#o}: no execute bits, it is a file mode (directories get them)")
+    if mode & 0o600 != 0o600:
+        raise ValueError(f"file mode {mode:#o}: the owner must be able to read and write (0o600)")
+    return mode
+
+
+def dir_mode(mode: int) -> int:
+    """0o600 -> 0o700, 0o640 -> 0o750, 0o660 -> 0o770: x wherever r."""
+    return mode | (mode & 0o444) >> 2
+
+
+def create(path: Path, mode: int, exclusive: bool = True) -> int:
+    """Open a new file for writing with exactly ``mode`` (whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0), mode)
+    os.fchmod(fd, mode)
+    return fd
+
+
+def makedirs(path: Path, mode: int) -> None:
+    """``mkdir -p`` whose new directories get exactly ``dir_mode(mode)``; existing ones are kept."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:  # another process made it: keep its mode
+            continue
+        os.chmod(d, dir_mode(mode))

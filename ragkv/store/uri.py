@@ -1,7 +1,7 @@
 """Store URIs -> backends, and URIs made safe to show.
 
     memory | memory:// | memory://?max_bytes=1G
-    disk:///abs/path?max_bytes=10G&fsync=1       (disk://rel/path is relative to the cwd)
+    disk:///abs/path?max_bytes=10G&fsync=1&mode=0600   (disk://rel/path is relative to the cwd)
     redis://[[user]:password@]host:port/db?ttl=3600&namespace=tenant1   (rediss:// for TLS)
     redis+cluster://host:port  or  redis://host:port?cluster=1    -> RedisCluster
 A comma-separated list gives a TieredStore, fastest first: ``memory,disk:///var/cache/ragkv``; the
@@ -24,7 +24,7 @@ from ragkv.store.values import redact_uri, split_uris, typed_budget
 SCHEMES = ("memory", "disk", "redis", "rediss", "redis+cluster", "rediss+cluster")
 _OPTIONS = {
     "memory": ("max_bytes",),
-    "disk": ("max_bytes", "fsync"),
+    "disk": ("max_bytes", "fsync", "mode"),
     "redis": ("ttl", "namespace", "cluster"),  # plus REDIS_OPTIONS
 }
 # ---- option parsing -------------------------------------------------------------------------
@@ -102,6 +102,19 @@ def _opts(kind: str, query: str) -> tuple[dict, dict]:
     return ours, client
 
 
+def _mode(v: str) -> int:
+    from ragkv.store.disk_io import check_mode
+
+    try:
+        mode = int(v, 8)
+    except ValueError:
+        raise ValueError(f"option mode={v!r}: expected an octal file mode such as 0600 or 0640") from None
+    try:
+        return check_mode(mode)
+    except ValueError as e:
+        raise ValueError(f"option mode={v!r}: {e}") from None
+
+
 def _ttl(v: str | None) -> int | None:
     if v in (None, "", "0"):
         return None
@@ -137,6 +150,7 @@ def open_one(uri: str) -> KVStore:
             path,
             max_bytes=typed_budget(o.get("max_bytes", "10G")),
             fsync=_bool("fsync", o.get("fsync", "1")),
+            mode=_mode(o["mode"]) if "mode" in o else 0o600,
         )
     from ragkv.store.redis_store import RedisStore
 
