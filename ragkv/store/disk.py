@@ -32,14 +32,13 @@ whatever the umask; directories that already exist keep their mode.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -48,11 +47,10 @@ from ragkv.store import disk_io
 from ragkv.store.base import KVStore, Loaded, log, wants_all
 from ragkv.store.disk_io import SUFFIX, StreamedBlobs, read_exact
 from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
-from ragkv.store.entry import EncodedEntry, Layout, check_layer_index, decode_header, header_nbytes
+from ragkv.store.entry import EncodedEntry, Layout, check_layer_index
 from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedEntry
 from ragkv.store.values import budget_from, check_key
 
-_HEAD_READ = 64 << 10
 _PAD = bytes(64)
 
 
@@ -139,7 +137,7 @@ class DiskStore(KVStore):
         except FileNotFoundError:
             return False
         try:
-            self._read_header(fd, key)
+            disk_io.read_header(fd, key)
             return True
         except UnsupportedEntry:
             return True
@@ -152,20 +150,6 @@ class DiskStore(KVStore):
         finally:
             os.close(fd)
 
-    def _read_header(self, fd: int, key: str) -> tuple[bytes, Layout, int]:
-        """The validated header of an open entry file, its layout, and the file size (which must
-        be the header's total)."""
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, min(size, _HEAD_READ), 0)
-        n = header_nbytes(head)
-        if n > len(head):
-            head += os.pread(fd, n - len(head), len(head))
-        header = head[:n]
-        _meta, layout = decode_header(header, key)
-        if size != layout.total_nbytes:
-            raise CorruptEntry(f"file is {size} bytes, header says {layout.total_nbytes}")
-        return header, layout, size
-
     def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         p = self.path(key)
         try:
@@ -174,7 +158,7 @@ class DiskStore(KVStore):
             self._forget(key)
             return None
         try:
-            header, layout, size = self._read_header(fd, key)
+            header, layout, size = disk_io.read_header(fd, key)
             if layers is not None and wants_all(layers):
                 blobs = StreamedBlobs(self, fd, layout)  # owns fd from here on
                 fd = -1
@@ -313,18 +297,8 @@ class DiskStore(KVStore):
                 total -= nbytes
         return out
 
-    @contextmanager
     def _flock(self):
-        try:
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.mode)
-            os.fchmod(fd, self.mode)
-        except FileExistsError:
-            fd = os.open(self._lock_path, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        return disk_io.flock(self._lock_path, self.mode)
 
     def _touch(self, key: str, p: Path, size: int) -> None:
         now = time.time()

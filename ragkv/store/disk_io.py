@@ -4,6 +4,7 @@ directory scan that sweeps orphaned temp files, and the index file."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -11,12 +12,13 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ragkv.store.entry import Layout
+from ragkv.store.entry import Layout, decode_header, header_nbytes
 from ragkv.store.errors import CorruptEntry
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
 STREAM_MIN = 4 << 20  # smaller entries are read in the caller's thread
 SUFFIX = ".kv"
+_HEAD_READ = 64 << 10  # first read of an entry file: the whole header in one pread, usually
 TMP_STALE_S = 3600.0  # temp files of other hosts (shared NFS) are swept after this age
 # this host in temp names; '-' separates the name's fields, so it is replaced (capped: the name
 # ".tmp-<200-char key>-<host>-<pid>-<rand>" stays under 255 bytes)
@@ -216,3 +219,36 @@ def makedirs(path: Path, mode: int) -> None:
         except FileExistsError:  # another process made it: keep its mode
             continue
         os.chmod(d, dir_mode(mode))
+
+
+# ---- entry files and the lock --------------------------------------------------------------------
+
+
+def read_header(fd: int, key: str) -> tuple[bytes, Layout, int]:
+    """The validated header of an open entry file, its layout, and the file size, which must be
+    the header's total (CorruptEntry otherwise: a truncated file)."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, min(size, _HEAD_READ), 0)
+    n = header_nbytes(head)
+    if n > len(head):
+        head += os.pread(fd, n - len(head), len(head))
+    header = head[:n]
+    _meta, layout = decode_header(header, key)
+    if size != layout.total_nbytes:
+        raise CorruptEntry(f"file is {size} bytes, header says {layout.total_nbytes}")
+    return header, layout, size
+
+
+@contextmanager
+def flock(path: Path, mode: int):
+    """The store's exclusive fcntl lock (the lock file is created with ``mode``)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        os.fchmod(fd, mode)
+    except FileExistsError:
+        fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
