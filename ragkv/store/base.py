@@ -21,7 +21,10 @@ Public API and who calls it
 Reads never raise for bad data or an unreachable backend: a corrupt entry (``CorruptEntry``) is
 counted, removed and returned as a miss; an entry of another format version (``UnsupportedEntry``,
 e.g. from a newer writer) is counted as ``unsupported``, logged once per key, left in place and
-returned as a miss; an I/O or connection error is counted as an error and returned as a miss. Writes of a single backend raise ``StoreError``/``StoreFull``.
+returned as a miss; an I/O or connection error is counted as an error and returned as a miss. A
+caller's mistakes do raise: ``ValueError`` for a key outside ``check_key``'s alphabet, ``IndexError``
+for a layer index that is not a layer of the entry (nothing is removed). Writes of a single backend
+raise ``StoreError``/``StoreFull``.
 
 Backend hooks (abstract): ``uri``, ``_load``, ``_store``, ``_remove``, ``keys``. Optional with
 defaults: ``contains``, ``clear``, ``_usage``, ``check``, ``close``.
@@ -50,7 +53,15 @@ from ragkv.store.entry import (
     encode,
 )
 from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
-from ragkv.store.values import ABSENT, CORRUPT, ERROR, UNSUPPORTED, Miss, check_key, size_from_str  # noqa: F401
+from ragkv.store.values import (
+    ABSENT,
+    CORRUPT,
+    ERROR,
+    UNSUPPORTED,
+    Miss,
+    check_key,
+    size_from_str,  # noqa: F401 - importable from here, as before
+)
 
 log = logging.getLogger("ragkv.store")
 

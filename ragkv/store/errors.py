@@ -1,13 +1,14 @@
 """Exceptions of the store layer. Reads never raise CorruptEntry/UnsupportedEntry/StoreError to
-callers of ``KVStore`` (they become misses and counters); writes raise ``StoreError``/``StoreFull`` from single backends, and the
-TieredStore turns a failing tier's write into a logged, counted skip."""
+callers of ``KVStore`` (they become misses and counters); writes raise ``StoreError``/``StoreFull``
+from single backends, and the TieredStore turns a failing tier's write into a logged, counted
+skip; ``check()`` and opening a store raise ``StoreUnavailable``."""
 
 from __future__ import annotations
 
 
 class CorruptEntry(Exception):
-    """An entry's bytes fail validation (magic, version, JSON, types, shapes, lengths, checksums,
-    non-finite values, or a header bound to another key)."""
+    """An entry's bytes fail validation (magic, JSON, types, shapes, lengths, checksums, non-finite
+    values, a header bound to another key, a damaged version field). Stores remove such entries."""
 
 
 class UnsupportedEntry(Exception):

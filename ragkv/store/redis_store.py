@@ -86,8 +86,11 @@ class RedisStore(KVStore):
         self._options = dict(client_kwargs)  # as given: shown (secrets masked) in ``uri``
         client_kwargs.setdefault("socket_connect_timeout", 1.0)
         client_kwargs.setdefault("socket_timeout", 10.0)
-        if cluster:
-            self.client = redis.RedisCluster.from_url(url, **client_kwargs)
+        if cluster:  # RedisCluster asks the cluster for its slots right away
+            try:
+                self.client = redis.RedisCluster.from_url(url, **client_kwargs)
+            except (RedisError, OSError) as e:
+                raise StoreUnavailable(f"{redact_uri(url)}: cannot reach the cluster: {e}") from None
         else:
             self.client = redis.Redis.from_url(url, **client_kwargs)
         self._backoff0, self._backoff_max = backoff_s, max_backoff_s
@@ -120,6 +123,10 @@ class RedisStore(KVStore):
             raise StoreUnavailable(f"{self.uri}: cannot connect: {e}") from None
         except _DOWN_ERRORS as e:
             raise StoreUnavailable(f"{self.uri}: cannot connect: {e}") from None
+        with self._state_lock:
+            if self._down:  # it answers: no need to wait for the back-off
+                log.warning("%s: redis reachable again", self.uri)
+                self._down = False
 
     def _base(self, key: str) -> str:
         return f"ragkv:{self.namespace}/{{{check_key(key)}}}"
@@ -150,7 +157,8 @@ class RedisStore(KVStore):
         except _DOWN_ERRORS as e:
             with self._state_lock:
                 if not self._down:
-                    log.warning("%s: redis unreachable (%s); treating as misses, retrying later", self.uri, e)
+                    what = "refused our credentials" if isinstance(e, AuthenticationError) else "unreachable"
+                    log.warning("%s: redis %s (%s); treating as misses, retrying later", self.uri, what, e)
                     self._down = True
                     self._backoff = self._backoff0
                 else:
@@ -257,7 +265,7 @@ class RedisStore(KVStore):
                 layouts.append(e)
             if isinstance(layouts[-1], Layout):
                 check_layer_index(i, layouts[-1])
-        return [self._layer_of(key, i, layout, res[2 * j + 1]) for j, (key, layout) in enumerate(zip(keys, layouts))]
+        return [self._layer_of(key, i, layouts[j], res[2 * j + 1]) for j, key in enumerate(keys)]
 
     def _layer_of(self, key: str, i: int, layout, blob) -> StoredLayer | Miss:
         """One key's part of a batched read: its decoded header (or why not) and its blob."""

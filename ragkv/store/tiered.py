@@ -148,6 +148,7 @@ class TieredStore(KVStore):
         return wrote
 
     def put(self, meta: EntryMeta, layers_kv: Sequence[tuple[Tensor, Tensor]]) -> bool:
+        check_key(meta.key)
         missing = [t for t in self.tiers if not t.contains(meta.key)]
         if not missing:
             self._count("put_skipped")
