@@ -191,8 +191,10 @@ class KVStore(ABC):
 
     def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
         """Layer i of several entries (the layer-streamed read path), None for each miss:
-        ``fetch_layers`` without the reasons."""
-        return [None if isinstance(r, Miss) else r for r in self.fetch_layers(keys, i)]
+        ``fetch_layers`` without the reasons. Key by key through ``get_layer`` here (a wrapper or
+        spy of ``get_layer`` sees every read); backends that batch override it."""
+        i = check_layer_index(i)
+        return [self.get_layer(k, i) for k in keys]
 
     def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
         r = self._get_full(key)

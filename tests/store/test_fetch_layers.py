@@ -103,6 +103,7 @@ def test_redis_fetch_layers_reasons_in_one_round_trip(redis_store):
     out = s.fetch_layers([good[0].key, ABSENT_KEY, corrupt[0].key, new[0].key], 1)
     assert executed == [8]  # header + blob of each key, one round trip
     assert [type(x).__name__ for x in out] == ["StoredLayer", "Miss", "Miss", "Miss"]
+    assert s.get_layers([good[0].key, ABSENT_KEY], 1)[1] is None and executed == [8, 4]
     s.client.pipeline = real_pipeline
     s._counts.clear()
     s.put(*corrupt)  # removed as corrupt above: damage it again
