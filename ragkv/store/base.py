@@ -129,9 +129,8 @@ class KVStore(ABC):
         return {"entries": None, "bytes": None}
 
     def check(self) -> None:  # noqa: B027 - optional hook: a memory store is always usable
-        """Raise ``StoreUnavailable`` (a clear message, secrets redacted) when the backend cannot
-        be used at all: Redis PING (credentials included), disk root writable, every tier of a
-        TieredStore. Reads and writes never need it; operators' tools call it first."""
+        """``StoreUnavailable`` (clear, redacted) when the backend cannot be used at all (Redis PING,
+        disk root writable, every tier). Reads and writes never need it; operators' tools do."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Release connections / flush the index. Safe to call twice."""
@@ -190,9 +189,8 @@ class KVStore(ABC):
         return None if isinstance(r, Miss) else r
 
     def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
-        """Layer i of several entries (the layer-streamed read path), None for each miss:
-        ``fetch_layers`` without the reasons. Key by key through ``get_layer`` here (a wrapper or
-        spy of ``get_layer`` sees every read); backends that batch override it."""
+        """``fetch_layers`` without the reasons (None for a miss). Key by key through ``get_layer``
+        here, so a wrapper of ``get_layer`` sees every read; backends that batch override it."""
         i = check_layer_index(i)
         return [self.get_layer(k, i) for k in keys]
 
@@ -268,14 +266,18 @@ class KVStore(ABC):
             if r is None:
                 return self._absent()
             layer = decode_layer(r[1], i, r[2][0], verify=self.verify_reads)
-        except UnsupportedEntry as e:
-            return self._unsupported(key, e)
-        except CorruptEntry as e:
-            return self._corrupt(key, e)
-        except (StoreError, OSError) as e:
-            return self._read_failed(key, e)
+        except _READ_FAILURES as e:
+            return self._missed(key, e)
         self._count("hits")
         return layer
+
+    def _missed(self, key: str, err: Exception) -> Miss:
+        """A read that raised: counted and handled by kind (newer format, damage, I/O)."""
+        if isinstance(err, UnsupportedEntry):
+            return self._unsupported(key, err)
+        if isinstance(err, CorruptEntry):
+            return self._corrupt(key, err)
+        return self._read_failed(key, err)
 
     def _absent(self) -> Miss:
         self._count("misses")
@@ -299,10 +301,9 @@ class KVStore(ABC):
         self._count("misses")
         with self._lock:
             first = key not in self._unsupported_seen
-            if first:
-                if len(self._unsupported_seen) >= _SEEN_MAX:
-                    self._unsupported_seen.clear()
-                self._unsupported_seen.add(key)
+            if len(self._unsupported_seen) >= _SEEN_MAX:  # bounded: forget and maybe log again
+                self._unsupported_seen.clear()
+            self._unsupported_seen.add(key)
         if first:
             log.warning("%s: entry %s is of a format this build does not read (newer writer?); "
                         "skipped and left in place: %s", self.uri, key, err)
@@ -311,14 +312,8 @@ class KVStore(ABC):
     def _guarded(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         try:
             r = self._load(key, layers)
-        except UnsupportedEntry as e:
-            self._unsupported(key, e)
-            return None
-        except CorruptEntry as e:
-            self._corrupt(key, e)
-            return None
-        except (StoreError, OSError) as e:
-            self._read_failed(key, e)
+        except _READ_FAILURES as e:
+            self._missed(key, e)
             return None
         self._count("hits" if r is not None else "misses")
         return r
@@ -339,20 +334,15 @@ class KVStore(ABC):
             header, layout, blobs = r
             stored = [decode_layer(layout, i, b, verify=self.verify_reads) for i, b in enumerate(blobs)]
             blobs = list(blobs)  # a backend may hand a lazy (streamed) sequence
-        except UnsupportedEntry as e:
-            self._unsupported(key, e)
-            return None
-        except CorruptEntry as e:
-            self._corrupt(key, e)
-            return None
-        except (StoreError, OSError) as e:
-            self._read_failed(key, e)
+        except _READ_FAILURES as e:
+            self._missed(key, e)
             return None
         self._count("hits")
         return header, layout, blobs, stored
 
 
 _ALL = 1 << 30  # ``range(_ALL)`` passed to _load means "every layer"
+_READ_FAILURES = (UnsupportedEntry, CorruptEntry, StoreError, OSError)  # a read's misses, by kind
 _SEEN_MAX = 65536  # unsupported keys remembered for logging once
 
 

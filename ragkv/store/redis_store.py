@@ -13,12 +13,11 @@ deleted by this version (they expire by TTL or can be removed with redis-cli).
 - Write: one MULTI/EXEC transaction sets every blob, then the header (with the optional TTL on
   every key). EXEC is atomic, so no reader sees part of an entry; concurrent writers of one key
   leave the last writer's complete entry.
-- Read: header and requested blobs are fetched in one MULTI/EXEC (a consistent snapshot, one round
-  trip); ``fetch_layers``/``get_layer(s)`` fetch the header and that blob of each key, all keys in
-  one round trip.
+- Read: header and requested blobs in one MULTI/EXEC (a consistent snapshot); ``fetch_layers``/
+  ``get_layer(s)``: the header and that blob of every key, all keys in one round trip.
 - Unreachable server: the first failure logs one warning, later calls are misses / skipped writes
   without touching the network until a back-off (1 s doubling to 30 s) expires; the next success
-  logs "reconnected". Requests never fail because Redis is down.
+  (or ``check()``) logs "reachable again". Requests never fail because Redis is down.
 - ``pin`` is a no-op here: Redis evicts by its own maxmemory policy / TTL.
 """
 
@@ -70,8 +69,8 @@ class RedisStore(KVStore):
         max_backoff_s: float = 30.0,
         **client_kwargs,
     ):
-        """``url``: a redis-py URL (keep secrets out of logs: the store shows ``redact_uri(url)``);
-        ``ttl``: whole seconds >= 1 or None; ``client_kwargs``: redis-py connection options."""
+        """``url``: a redis-py URL (shown as ``redact_uri(url)``); ``ttl``: whole seconds >= 1 or
+        None; ``client_kwargs``: redis-py connection options. Bad namespace or ttl: ValueError."""
         super().__init__()
         if not isinstance(namespace, str) or not _NS_RE.fullmatch(namespace):
             raise ValueError(
@@ -111,18 +110,12 @@ class RedisStore(KVStore):
         return redact_uri(self._url + (("&" if "?" in self._url else "?") + "&".join(q) if q else ""))
 
     def check(self) -> None:
-        """PING now (no back-off): StoreUnavailable naming the server when it cannot be reached or
-        refuses our credentials."""
+        """PING now (no back-off): StoreUnavailable when unreachable or our credentials are refused."""
         try:
             self.client.ping()
-        except AuthenticationError as e:
-            raise StoreUnavailable(f"{self.uri}: authentication failed: {e}") from None
-        except RedisError as e:
-            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
-                raise StoreUnavailable(f"{self.uri}: authentication failed: {e}") from None
-            raise StoreUnavailable(f"{self.uri}: cannot connect: {e}") from None
-        except _DOWN_ERRORS as e:
-            raise StoreUnavailable(f"{self.uri}: cannot connect: {e}") from None
+        except (RedisError, *_DOWN_ERRORS) as e:
+            auth = isinstance(e, AuthenticationError) or any(w in str(e) for w in ("NOAUTH", "WRONGPASS"))
+            raise StoreUnavailable(f"{self.uri}: {'authentication failed' if auth else 'cannot connect'}: {e}") from None
         with self._state_lock:
             if self._down:  # it answers: no need to wait for the back-off
                 log.warning("%s: redis reachable again", self.uri)
@@ -275,11 +268,9 @@ class RedisStore(KVStore):
         """One key's part of a batched read: its decoded header (or why not) and its blob."""
         if layout is None:
             return self._absent()
-        if isinstance(layout, UnsupportedEntry):
-            return self._unsupported(key, layout)
+        if isinstance(layout, Exception):  # the header was corrupt or of a newer format
+            return self._missed(key, layout)
         try:
-            if isinstance(layout, CorruptEntry):
-                raise layout
             if blob is None:
                 raise CorruptEntry("header present but a layer blob is missing (expired or evicted)")
             layer = decode_layer(layout, i, blob, verify=self.verify_reads)
