@@ -21,17 +21,32 @@ def main() -> None:
 
     \b
     Store URIs (comma-separated list = tiers, fastest first):
-      memory[://?max_bytes=1G]   disk:///path[?max_bytes=10G]   redis://host:6379/0
+      memory[://?max_bytes=1G]   disk:///path[?max_bytes=10G]   redis://host:6379/0[?namespace=ns]
     """
 
 
 def _open_store(uris: str):
-    from ragkv.store import open_store
+    """The store of --store: a bad URI is a usage error (exit 2), a backend that cannot be opened
+    (e.g. an unwritable disk root) an error (exit 1). Messages never show secrets."""
+    from ragkv.store import StoreError, open_store
 
     try:
         return open_store(uris)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--store") from None
+    except StoreError as e:
+        raise click.ClickException(f"store unavailable: {e}") from None
+
+
+def _check(tiers) -> None:
+    """Every tier is usable, or a clear error (exit 1) before anything is changed."""
+    from ragkv.store import StoreUnavailable
+
+    for tier in tiers:
+        try:
+            tier.check()
+        except StoreUnavailable as e:
+            raise click.ClickException(f"store unavailable: {e}") from None
 
 
 def _policy_options(f):
@@ -75,16 +90,6 @@ def _engine(model_name: str, model_dtype: str, store, config=None, sink="templat
                        namespace=namespace)
 
 
-def _check_store(store) -> None:
-    """A clear error (exit 1) when the store cannot be used at all (unreachable, wrong password, ...)."""
-    from ragkv.store import StoreError
-
-    try:
-        store.check()
-    except StoreError as e:
-        raise click.ClickException(str(e)) from None
-
-
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
@@ -121,13 +126,12 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
     from ragkv.precompute import OverBudget
     from ragkv.precompute import precompute as run
 
-    try:
-        storage = StorageFormat(storage_dtype, quant_axis)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--quant-axis") from None
+    if quant_axis is not None and storage_dtype != "int8":
+        raise click.BadParameter("only meaningful with --dtype int8", param_hint="--quant-axis")
+    storage = StorageFormat(storage_dtype, quant_axis)
     store = _open_store(store_uri)
     with store:
-        _check_store(store)
+        _check([store])
         engine = _engine(model_name, model_dtype, store, sink=sink, gap=gap, namespace=namespace, storage=storage)
         try:
             summary = run(engine, paths=list(paths), chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
@@ -145,16 +149,20 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
         sys.exit(1)
 
 
-def _tiers(store) -> list[dict]:
-    st = store.stats()
-    rows = st.get("tiers", [st])
-    subs = getattr(store, "tiers", [store])
-    for row, sub in zip(rows, subs):
-        if row.get("entries") is None:  # redis does not count: list its keys
-            try:
-                row["entries"] = sum(1 for _ in sub.keys())  # noqa: SIM118 - KVStore.keys()
-            except Exception:  # unreachable backend
-                row["entries"] = None
+def _tier_rows(store) -> list[dict]:
+    """stats() of each tier; an unusable tier is a row with available=False and its error."""
+    from ragkv.store import StoreError
+
+    rows = []
+    for tier in getattr(store, "tiers", [store]):
+        try:
+            tier.check()
+            row = {**tier.stats(), "available": True}
+            if row.get("entries") is None:  # a backend that does not count: list its keys
+                row["entries"] = sum(1 for _ in tier.keys())  # noqa: SIM118 - KVStore.keys()
+        except StoreError as e:
+            row = {"uri": tier.uri, "available": False, "error": str(e), "entries": None, "bytes": None}
+        rows.append(row)
     return rows
 
 
@@ -162,18 +170,24 @@ def _tiers(store) -> list[dict]:
 @click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
 @click.option("--json", "as_json", is_flag=True, help='one JSON object: {"tiers": [{"uri", "entries", ...}]}')
 def stats(store_uri, as_json):
-    """Entries and bytes per tier, and this process's hit/miss/corruption counters."""
+    """Entries and bytes per tier, and this process's hit/miss/corruption counters. Exit status 1
+    when a tier is unavailable (shown as such)."""
     with _open_store(store_uri) as store:
-        rows = _tiers(store)
+        rows = _tier_rows(store)
     if as_json:
         click.echo(json.dumps({"tiers": rows}))
-        return
-    cols = ("entries", "bytes", "max_bytes", "hits", "misses", "corruptions", "evictions", "errors")
-    width = max(len("uri"), *(len(r["uri"]) for r in rows))
-    click.echo(f"{'uri':<{width}}  " + "  ".join(f"{c:>11}" for c in cols))
-    for r in rows:
-        vals = ["-" if r.get(c) is None else str(r[c]) for c in cols]
-        click.echo(f"{r['uri']:<{width}}  " + "  ".join(f"{v:>11}" for v in vals))
+    else:
+        cols = ("entries", "bytes", "max_bytes", "hits", "misses", "corruptions", "evictions", "errors")
+        width = max(len("uri"), *(len(r["uri"]) for r in rows))
+        click.echo(f"{'uri':<{width}}  " + "  ".join(f"{c:>11}" for c in cols))
+        for r in rows:
+            if not r["available"]:
+                click.echo(f"{r['uri']:<{width}}  unavailable: {r['error']}")
+                continue
+            vals = ["-" if r.get(c) is None else str(r[c]) for c in cols]
+            click.echo(f"{r['uri']:<{width}}  " + "  ".join(f"{v:>11}" for v in vals))
+    if not all(r["available"] for r in rows):
+        sys.exit(1)
 
 
 @main.command()
@@ -181,34 +195,51 @@ def stats(store_uri, as_json):
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 def clear(store_uri, yes):
     """Delete every entry of the store (every tier)."""
+    from ragkv.store import StoreError
+
     with _open_store(store_uri) as store:
-        n = sum(1 for _ in store.keys())  # noqa: SIM118 - KVStore.keys()
-        if not yes:
-            click.confirm(f"delete {n} entries from {store.uri}?", abort=True, err=True)
-        store.clear()
-    click.echo(f"cleared {n} entries from {store_uri}", err=True)
+        _check(getattr(store, "tiers", [store]))
+        try:
+            n = sum(1 for _ in store.keys())  # noqa: SIM118 - KVStore.keys()
+            if not yes:
+                click.confirm(f"delete {n} entries from {store.uri}?", abort=True, err=True)
+            store.clear()
+        except StoreError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"cleared {n} entries from {store.uri}", err=True)
 
 
 @main.command()
 @click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
-@click.option("--max-bytes", required=True, help="evict least recently used entries down to this size (e.g. 10G)")
-def evict(store_uri, max_bytes):
-    """Evict least recently used entries of disk tiers until each fits --max-bytes."""
-    from ragkv.store.base import size_from_str
+@click.option("--max-bytes", required=True, help="evict least recently used entries down to this size (e.g. 10G, at least 1M)")
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+def evict(store_uri, max_bytes, yes):
+    """Evict least recently used entries of disk tiers until each fits --max-bytes (`ragkv clear`
+    empties a store). Shows what it would delete and asks first."""
+    from ragkv.store import StoreError
+    from ragkv.store.values import typed_budget
 
     try:
-        limit = size_from_str(max_bytes)
+        limit = typed_budget(max_bytes)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--max-bytes") from None
     if limit is None:
-        raise click.BadParameter("give a size (0 empties the store)", param_hint="--max-bytes")
+        raise click.BadParameter("give a size of at least 1M (to empty a store: `ragkv clear`)", param_hint="--max-bytes")
     with _open_store(store_uri) as store:
-        for tier in getattr(store, "tiers", [store]):
-            if not hasattr(tier, "evict"):
+        tiers = getattr(store, "tiers", [store])
+        _check(t for t in tiers if hasattr(t, "plan_eviction"))
+        for tier in tiers:
+            if not hasattr(tier, "plan_eviction"):
                 click.echo(f"{tier.uri}: no eviction here (redis: use maxmemory/ttl)", err=True)
                 continue
-            tier.max_bytes = limit
-            n = tier.evict()
+            try:
+                n, nbytes = tier.plan_eviction(limit)
+                if n and not yes:
+                    click.confirm(f"evict {n} entries ({nbytes} bytes) from {tier.uri} to fit {limit} bytes?",
+                                  abort=True, err=True)
+                n = tier.evict(limit) if n else 0
+            except (StoreError, OSError) as e:
+                raise click.ClickException(f"{tier.uri}: {e}") from None
             click.echo(f"{tier.uri}: evicted {n} entries", err=True)
 
 
@@ -296,7 +327,7 @@ def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, select
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     store = _open_store(store_uris)
-    _check_store(store)
+    _check([store])
     engine = _engine(model_name, model_dtype, store, BlendConfig(selector=sels[0]), sink=sink, gap=gap,
                      namespace=namespace)
 

@@ -41,21 +41,14 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ragkv.store.entry import StoredLayer
+from ragkv.store.values import ABSENT as _ABSENT
+from ragkv.store.values import ERROR as _ERROR
+from ragkv.store.values import TIMEOUT as _TIMEOUT
+from ragkv.store.values import Miss
 
 log = logging.getLogger("ragkv.loader")
-
-
-@dataclass(frozen=True)
-class Miss:
-    """No layer for this key: ``reason`` is absent | corrupt | unsupported | error | timeout."""
-
-    reason: str
-
-
-_ERROR, _ABSENT, _TIMEOUT = Miss("error"), Miss("absent"), Miss("timeout")
 
 
 def _read_layer(store, keys: Sequence[str], li: int) -> list[StoredLayer | Miss]:
@@ -66,8 +59,7 @@ def _read_layer(store, keys: Sequence[str], li: int) -> list[StoredLayer | Miss]
     batched = getattr(type(store), "fetch_layers", None)
     if batched is not None:
         try:
-            return [x if isinstance(x, StoredLayer) else Miss(getattr(x, "reason", "absent"))
-                    for x in batched(store, keys, li)]
+            return [x if isinstance(x, (StoredLayer, Miss)) else _ABSENT for x in batched(store, keys, li)]
         except IndexError:
             raise  # a caller's bad layer index is a bug, not a miss
         except Exception as e:  # any store failure: retry key by key, each failure a miss

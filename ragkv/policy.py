@@ -91,7 +91,7 @@ class StorageFormat:
     quant_axis: str | None = None
 
     def __post_init__(self):
-        from ragkv.store.entry import QUANT_AXES, STORAGE_DTYPES
+        from ragkv.store.quant import QUANT_AXES, STORAGE_DTYPES
 
         if self.dtype is not None and self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage dtype {self.dtype!r}: valid are {', '.join(STORAGE_DTYPES)}")

@@ -15,6 +15,11 @@ import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# a password with the characters that break naive URI masking ('@' and ':'); tests assert that its
+# distinctive tail never shows up in any output
+SECRET = "p@ss:w0rd-S3CRET"
+SECRET_TAIL = "S3CRET"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,8 +28,9 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, password: str | None = None):
         self.port = port or free_port()
+        self.password = password  # --requirepass: clients must AUTH (tests of secrets and auth errors)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -35,8 +41,11 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             raise FileNotFoundError("redis-server not on PATH")
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            args,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -45,7 +54,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # up (with or without a password)
                         return self
             except OSError:
                 time.sleep(0.05)
@@ -60,9 +69,9 @@ class RedisServer:
             self.proc = None
 
 
-def start_or_skip() -> RedisServer:
+def start_or_skip(password: str | None = None) -> RedisServer:
     try:
-        return RedisServer().start()
+        return RedisServer(password=password).start()
     except (FileNotFoundError, RuntimeError) as e:
         if IN_CI:
             pytest.fail(f"CI is set but no redis-server could be started: {e}")

@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import uuid
 
 import pytest
 import torch
 from click.testing import CliRunner
+from redis_server import SECRET, SECRET_TAIL, free_port, start_or_skip
 
 from ragkv.cli import main
 from ragkv.keys import chunk_key
 from ragkv.store import EntryMeta, open_store
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    srv = start_or_skip()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_auth_server():
+    srv = start_or_skip(password=SECRET)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_ns():
+    return f"cli-{uuid.uuid4().hex[:10]}"
 
 
 def _put(store, n: int, tokens: int = 32) -> list[str]:
@@ -66,12 +89,140 @@ def test_clear_asks_then_clears(disk_uri):
     assert json.loads(_invoke("stats", "--store", disk_uri, "--json").stdout)["tiers"][0]["entries"] == 0
 
 
-def test_evict_to_size(disk_uri):
-    total = json.loads(_invoke("stats", "--store", disk_uri, "--json").stdout)["tiers"][0]["bytes"]
-    r = _invoke("evict", "--store", disk_uri, "--max-bytes", str(total // 2))  # entries ~ total/3 each
+@pytest.fixture
+def big_disk_uri(tmp_path):
+    """3 entries of ~0.5 MiB each (eviction budgets start at 1 MiB)."""
+    uri = f"disk://{tmp_path / 'big'}"
+    with open_store(uri) as s:
+        _put(s, 3, tokens=2048)
+    return uri
+
+
+def _entries(uri) -> int:
+    return json.loads(_invoke("stats", "--store", uri, "--json").stdout)["tiers"][0]["entries"]
+
+
+def test_evict_to_size(big_disk_uri):
+    r = _invoke("evict", "--store", big_disk_uri, "--max-bytes", "1M", "--yes")  # entries ~ 0.5 MiB each
     assert r.exit_code == 0 and "evicted 2" in r.stderr
-    assert json.loads(_invoke("stats", "--store", disk_uri, "--json").stdout)["tiers"][0]["entries"] == 1
-    assert _invoke("evict", "--store", disk_uri, "--max-bytes", "lots").exit_code == 2
+    assert _entries(big_disk_uri) == 1
+    assert _invoke("evict", "--store", big_disk_uri, "--max-bytes", "lots").exit_code == 2
+
+
+def test_evict_asks_first_showing_what_it_would_delete(big_disk_uri):
+    total = json.loads(_invoke("stats", "--store", big_disk_uri, "--json").stdout)["tiers"][0]["bytes"]
+    r = _invoke("evict", "--store", big_disk_uri, "--max-bytes", "1M", input="n\n")
+    assert r.exit_code == 1 and "Aborted" in r.output
+    assert re.search(r"evict 2 entries \((\d+) bytes\)", r.output), r.output
+    assert int(re.search(r"\((\d+) bytes\)", r.output).group(1)) > total // 2
+    assert _entries(big_disk_uri) == 3
+    r = _invoke("evict", "--store", big_disk_uri, "--max-bytes", "1M", input="y\n")
+    assert r.exit_code == 0 and _entries(big_disk_uri) == 1
+    r = _invoke("evict", "--store", big_disk_uri, "--max-bytes", "10G")  # nothing to do: no question
+    assert r.exit_code == 0 and "evicted 0" in r.stderr
+
+
+@pytest.mark.parametrize("size,match", [("10", "smaller than one entry"), ("-1", "negative"), ("0", "ragkv clear")])
+def test_evict_refuses_tiny_or_negative_budgets(disk_uri, size, match):
+    r = _invoke("evict", "--store", disk_uri, "--max-bytes", size)  # refused before any question
+    assert r.exit_code == 2 and match in r.output, r.output
+    assert _entries(disk_uri) == 3
+
+
+def test_disk_uri_with_a_tiny_budget_is_refused(disk_uri):
+    r = _invoke("stats", "--store", disk_uri + "?max_bytes=10")
+    assert r.exit_code == 2 and "did you mean 10G" in r.output
+    assert _entries(disk_uri) == 3
+
+
+def test_disk_path_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    for cmd in ("stats", "clear", "evict"):
+        extra = ["--max-bytes", "1G"] if cmd == "evict" else []
+        r = _invoke(cmd, "--store", f"disk://{tmp_path / 'f'}", *extra)
+        assert r.exit_code == 2 and "not a directory" in r.output, r.output
+
+
+# ---- redis: unreachable, wrong password, secrets, namespaces ---------------------------------------------
+
+
+def _dead_redis() -> str:
+    return f"redis://:{SECRET}@127.0.0.1:{free_port()}/0"
+
+
+def test_stats_of_an_unreachable_redis_exits_1(tmp_path):
+    uri = f"disk://{tmp_path / 'kv'},{_dead_redis()}"
+    r = _invoke("stats", "--store", uri)
+    assert r.exit_code == 1 and "unavailable" in r.output, r.output
+    r = _invoke("stats", "--store", uri, "--json")
+    assert r.exit_code == 1
+    tiers = json.loads(r.stdout)["tiers"]
+    assert tiers[0]["available"] is True and tiers[0]["entries"] == 0
+    assert tiers[1]["available"] is False and tiers[1]["entries"] is None and "127.0.0.1" in tiers[1]["error"]
+
+
+@pytest.mark.redis
+def test_stats_with_a_wrong_password_exits_1(redis_auth_server):
+    r = _invoke("stats", "--store", f"redis://:nope@127.0.0.1:{redis_auth_server.port}/0")
+    assert r.exit_code == 1 and "auth" in r.output and "entries 0" not in r.output, r.output
+
+
+def test_clear_of_an_unreachable_redis_exits_1_without_traceback(tmp_path):
+    r = _invoke("clear", "--store", f"disk://{tmp_path / 'kv'},{_dead_redis()}", "--yes")
+    assert r.exit_code == 1 and "Error:" in r.output and "unavailable" in r.output, r.output
+    assert "Traceback" not in r.output and SECRET_TAIL not in r.output
+
+
+@pytest.mark.parametrize("cmd", ["stats", "clear", "evict"])
+def test_store_commands_on_an_unwritable_disk_exit_1(cmd):
+    root = f"/sys/ragkv-test-{uuid.uuid4().hex[:8]}"  # sysfs: mkdir fails even for root
+    try:
+        os.mkdir(root)
+    except OSError:
+        pass
+    else:  # pragma: no cover - an unusual machine
+        os.rmdir(root)
+        pytest.skip("/sys is writable here")
+    extra = {"stats": [], "clear": ["--yes"], "evict": ["--max-bytes", "1G", "--yes"]}[cmd]
+    r = _invoke(cmd, "--store", f"disk://{root}", *extra)
+    assert r.exit_code == 1 and "Error:" in r.output and root in r.output, r.output
+
+
+@pytest.mark.redis
+def test_cli_never_prints_the_password(redis_auth_server, redis_ns):
+    for uri in (
+        f"redis://:{SECRET}@127.0.0.1:{redis_auth_server.port}/0?namespace={redis_ns}",
+        f"memory,redis://127.0.0.1:{redis_auth_server.port}/0?password={SECRET}&namespace={redis_ns}",
+    ):
+        with open_store(uri) as s:
+            _put(s, 2)
+        outs = [_invoke("stats", "--store", uri), _invoke("stats", "--store", uri, "--json"),
+                _invoke("evict", "--store", uri, "--max-bytes", "1G", "--yes"),
+                _invoke("clear", "--store", uri, input="n\n"), _invoke("clear", "--store", uri, "--yes")]
+        assert [r.exit_code for r in outs] == [0, 0, 0, 1, 0], [r.output for r in outs]
+        assert "cleared 2" in outs[-1].output and "***" in outs[-1].output
+        for r in outs:
+            assert SECRET_TAIL not in r.output, r.output
+    for cmd in ("stats", "clear"):
+        r = _invoke(cmd, "--store", _dead_redis(), *(["--yes"] if cmd == "clear" else []))
+        assert r.exit_code == 1 and SECRET_TAIL not in r.output, r.output
+    r = _invoke("stats", "--store", f"redix://:{SECRET}@h/0")
+    assert r.exit_code == 2 and SECRET_TAIL not in r.output
+
+
+@pytest.mark.redis
+def test_clear_with_a_glob_namespace_is_refused_and_other_tenants_survive(redis_server):
+    a, b = f"{redis_server.url}?namespace=tenantA", f"{redis_server.url}?namespace=tenantB"
+    for uri in (a, b):
+        with open_store(uri) as s:
+            s.clear()
+            _put(s, 2)
+    r = _invoke("clear", "--store", f"{redis_server.url}?namespace=t*", "--yes")
+    assert r.exit_code == 2 and "namespace" in r.output
+    for uri in (a, b):
+        with open_store(uri) as s:
+            assert len(list(s.keys())) == 2
+            s.clear()
 
 
 def test_bad_store_uri():

@@ -44,7 +44,7 @@ def test_eval_cli_reports_every_method(tmp_path):
     out = tmp_path / "report.json"
     r = subprocess.run(
         [sys.executable, "-m", "ragkv.cli", "eval", "--questions", str(q), "--store", f"disk://{tmp_path}/s",
-         "--ratios", "0,0.15,1,auto", "--tokens", "16", "--json", str(out)],
+         "--ratios", "0,0.15,1,auto", "--tokens", "16", "--json", str(out), "--model-dtype", "float32"],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
@@ -96,7 +96,8 @@ def test_one_bad_question_is_reported_and_the_others_go_on(tmp_path, tiny_smollm
             {"question": "Where is it?", "contexts": [lighthouse]}]
     out = tmp_path / "r.json"
     r = CliRunner().invoke(main, ["eval", "--questions", str(_qfile(tmp_path, rows)), "--model", str(tiny_smollm2_dir),
-                                  "--store", "memory", "--ratios", "0,1", "--tokens", "4", "--json", str(out)])
+                                  "--model-dtype", "float32", "--store", "memory", "--ratios", "0,1", "--tokens", "4",
+                                  "--json", str(out)])
     assert r.exit_code == 1, r.output
     report = json.loads(out.read_text())
     assert report["questions"] == 2 and [e["question"] for e in report["errors"]] == [2]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from blend_testlib import TEMPLATE, SlowStore, make_prompt
+from blend_testlib import TEMPLATE, make_prompt
 from redis_server import start_or_skip
 
 from ragkv import models
@@ -132,17 +132,24 @@ def redis_proc():
 
 
 class KillOnFirstRead:
-    """Kills the redis-server at the first ``get_layer``: after the lookup, in the middle of a request."""
+    """Kills the redis-server at the first layer read: after the lookup, in the middle of a request."""
 
     def __init__(self, inner, proc):
         self.inner, self.proc, self.killed = inner, proc, False
 
-    def get_layer(self, key, i):
+    def _kill(self):
         if not self.killed:
             self.killed = True
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+    def get_layer(self, key, i):
+        self._kill()
         return self.inner.get_layer(key, i)
+
+    def fetch_layers(self, keys, i):
+        self._kill()
+        return self.inner.fetch_layers(keys, i)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

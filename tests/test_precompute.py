@@ -261,7 +261,7 @@ def test_a_corpus_over_the_store_budget_is_refused_before_computing(tmp_path, ti
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(40):
-        (docs / f"{i}.md").write_text(f"Document {i}. " + "Some words about topic %d. " % i * 60)
+        (docs / f"{i}.md").write_text(f"Document {i}. " + f"Some words about topic {i}. " * 60)
     engine = BlendEngine(model, tok, open_store(f"disk://{tmp_path / 's'}?max_bytes=1M"))
     with pytest.raises(OverBudget, match=r"would write ~.* holds at most 1.0 MiB.*--dtype int8"):
         precompute(engine, paths=[docs], chunk_tokens=256)

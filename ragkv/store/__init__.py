@@ -12,8 +12,9 @@ from ragkv.store.entry import (
     encode_stored,
     quantize_layer,
 )
-from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
-from ragkv.store.uri import open_store
+from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedEntry
+from ragkv.store.uri import open_store, redact_uri
+from ragkv.store.values import Miss
 
 __all__ = [
     "ChunkKV",
@@ -21,13 +22,17 @@ __all__ = [
     "EncodedEntry",
     "EntryMeta",
     "KVStore",
+    "Miss",
     "StoreError",
     "StoreFull",
+    "StoreUnavailable",
     "StoredLayer",
+    "UnsupportedEntry",
     "decode_header",
     "decode_layer",
     "encode",
     "encode_stored",
     "open_store",
     "quantize_layer",
+    "redact_uri",
 ]

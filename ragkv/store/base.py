@@ -4,21 +4,30 @@ Public API and who calls it
 ---------------------------
 - engine / prefill path: ``contains(key)`` before prefilling a chunk; ``put(meta, layers_kv)`` after
   (idempotent: False when the key is already present, may be called twice or by several processes).
-- engine / read path: ``get_meta(key)`` (header only), ``get_layer(key, i)`` (one layer, storage
-  dtype, for layer-streamed loading), ``get(key)`` (all layers decoded to the model dtype).
+- engine / read path: ``get_meta(key)`` (header only), ``fetch_layers(keys, i)`` (layer i of each
+  key, storage dtype, or a ``Miss`` with its reason; ``get_layer``/``get_layers``: the same with None
+  for a miss), ``get(key)`` (all layers decoded to the model dtype).
   Returned tensors are owned by the caller (in-place writes never reach the store).
 - TieredStore: ``put_encoded(key, enc)`` / ``get_encoded(key)`` to copy an entry between tiers
   without re-quantizing.
+- precompute job: ``missing_tiers(key)`` (the tiers lacking a valid copy) and ``fill(key)`` (copy a
+  verified copy into them) to repair partial tier stacks instead of skipping them.
 - engine around a request: ``with store.pin(keys):`` keeps those entries from eviction (re-entrant,
   reference counted, per process).
-- operators / CLI: ``keys()``, ``stats()``, ``delete(key)``, ``clear()``, ``close()``.
+- operators / CLI: ``check()`` (StoreUnavailable when the backend cannot be used), ``keys()``,
+  ``stats()``, ``delete(key)``, ``clear()``, ``close()``. ``uri`` and every message show URIs with
+  secrets redacted.
 
 Reads never raise for bad data or an unreachable backend: a corrupt entry (``CorruptEntry``) is
-counted, removed and returned as a miss; an I/O or connection error is counted as an error and
-returned as a miss. Writes of a single backend raise ``StoreError``/``StoreFull``.
+counted, removed and returned as a miss; an entry of another format version (``UnsupportedEntry``,
+e.g. from a newer writer) is counted as ``unsupported``, logged once per key, left in place and
+returned as a miss; an I/O or connection error is counted as an error and returned as a miss. A
+caller's mistakes do raise: ``ValueError`` for a key outside ``check_key``'s alphabet, ``IndexError``
+for a layer index that is not a layer of the entry (nothing is removed). Writes of a single backend
+raise ``StoreError``/``StoreFull``.
 
 Backend hooks (abstract): ``uri``, ``_load``, ``_store``, ``_remove``, ``keys``. Optional with
-defaults: ``contains``, ``clear``, ``_usage``, ``close``.
+defaults: ``contains``, ``clear``, ``_usage``, ``check``, ``close``.
 """
 
 from __future__ import annotations
@@ -38,11 +47,21 @@ from ragkv.store.entry import (
     EntryMeta,
     Layout,
     StoredLayer,
+    check_layer_index,
     decode_header,
     decode_layer,
     encode,
 )
-from ragkv.store.errors import CorruptEntry, StoreError
+from ragkv.store.errors import CorruptEntry, StoreError, UnsupportedEntry
+from ragkv.store.values import (
+    ABSENT,
+    CORRUPT,
+    ERROR,
+    UNSUPPORTED,
+    Miss,
+    check_key,
+    size_from_str,  # noqa: F401 - importable from here, as before
+)
 
 log = logging.getLogger("ragkv.store")
 
@@ -56,6 +75,7 @@ class KVStore(ABC):
         self._lock = threading.RLock()
         self._counts: Counter[str] = Counter()
         self._pinned: Counter[str] = Counter()
+        self._unsupported_seen: set[str] = set()  # keys already logged as unsupported
 
     # ---- backend hooks ------------------------------------------------------------------------
 
@@ -66,9 +86,10 @@ class KVStore(ABC):
     @abstractmethod
     def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         """Fetch the header and the blobs of ``layers`` (None: header only -> empty list; all
-        indices: every blob). Returns None when absent. Must validate the header with
-        ``decode_header(header, key)``; raises CorruptEntry on bad bytes, StoreError/OSError on
-        I/O trouble, IndexError for a layer index outside the entry."""
+        indices: every blob; else ints, already type-checked). Returns None when absent. Must
+        validate the header with ``decode_header(header, key)`` and each index with
+        ``check_layer_index(i, layout)`` before touching blobs (IndexError: a caller's bad index,
+        nothing is removed); raises CorruptEntry on bad bytes, StoreError/OSError on I/O trouble."""
 
     @abstractmethod
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
@@ -82,8 +103,11 @@ class KVStore(ABC):
     def keys(self) -> Iterator[str]: ...
 
     def contains(self, key: str) -> bool:
+        """A readable entry, or one of a newer format (this build never overwrites it), is there."""
         try:
             return self._load(key, None) is not None
+        except UnsupportedEntry:
+            return True
         except (CorruptEntry, StoreError, OSError):
             return False
 
@@ -91,8 +115,22 @@ class KVStore(ABC):
         for k in list(self.keys()):
             self._remove(k)
 
+    def missing_tiers(self, key: str) -> list[KVStore]:
+        """The stores that lack a valid entry for ``key``: here ``[]`` or ``[self]``; a
+        TieredStore lists its tiers that lack it (e.g. Redis restarted empty under a disk tier)."""
+        return [] if self.contains(key) else [self]
+
+    def fill(self, key: str) -> bool:
+        """Copy ``key`` into the tiers that lack it from one holding a verified copy; True when
+        every tier now holds it. A single store has nothing to copy from: True iff it holds it."""
+        return self.contains(key)
+
     def _usage(self) -> dict:
         return {"entries": None, "bytes": None}
+
+    def check(self) -> None:  # noqa: B027 - optional hook: a memory store is always usable
+        """``StoreUnavailable`` (clear, redacted) when the backend cannot be used at all (Redis PING,
+        disk root writable, every tier). Reads and writes never need it; operators' tools do."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Release connections / flush the index. Safe to call twice."""
@@ -101,6 +139,7 @@ class KVStore(ABC):
 
     def put(self, meta: EntryMeta, layers_kv: Sequence[tuple[Tensor, Tensor]]) -> bool:
         """Quantize per meta.storage_dtype and store. False (and no work) if already present."""
+        check_key(meta.key)
         if self.contains(meta.key):
             self._count("put_skipped")
             return False
@@ -111,6 +150,7 @@ class KVStore(ABC):
     def put_encoded(self, key: str, enc: EncodedEntry) -> bool:
         """Store an already encoded entry (e.g. from another tier). Raises ValueError when the
         header is invalid or bound to another key; blob checksums are verified."""
+        check_key(key)
         try:
             _, layout = decode_header(enc.header, key)
             if len(enc.blobs) != len(layout.layers):
@@ -124,7 +164,7 @@ class KVStore(ABC):
                         raise CorruptEntry(
                             f"layer {i}: {len(b)} bytes, header says {layout.layers[i].nbytes}"
                         )
-        except CorruptEntry as e:
+        except (CorruptEntry, UnsupportedEntry) as e:
             raise ValueError(f"put_encoded({key!r}): invalid entry: {e}") from None
         if self.contains(key):
             self._count("put_skipped")
@@ -135,20 +175,23 @@ class KVStore(ABC):
         r = self._guarded(key, None)
         return None if r is None else r[1].meta
 
+    def fetch_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | Miss]:
+        """Layer i of each key in storage dtype, or a ``Miss`` saying why not (the read path counts
+        corruption, outages and absent entries apart). Per key here; backends that can batch the
+        reads into one round trip override it. IndexError, and nothing removed, for a bad ``i``."""
+        i = check_layer_index(i)
+        return [self._fetch_layer(k, i) for k in keys]
+
     def get_layer(self, key: str, i: int) -> StoredLayer | None:
-        """One layer in storage dtype (int8 + scales when quantized); ``.dequantize(dtype)``."""
-        r = self._guarded(key, [i])
-        if r is None:
-            return None
-        try:
-            return decode_layer(r[1], i, r[2][0], verify=self.verify_reads)
-        except CorruptEntry as e:
-            self._corrupt(key, e)
-            return None
+        """One layer in storage dtype (int8 + scales when quantized); ``.dequantize(dtype)``.
+        None on a miss; IndexError (and nothing removed) when ``i`` is not a layer of the entry."""
+        r = self.fetch_layers([key], i)[0]
+        return None if isinstance(r, Miss) else r
 
     def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
-        """Layer i of several entries (the layer-streamed read path); backends that can batch the
-        reads into one round trip override it. Same miss/corruption semantics as ``get_layer``."""
+        """``fetch_layers`` without the reasons (None for a miss). Key by key through ``get_layer``
+        here, so a wrapper of ``get_layer`` sees every read; backends that batch override it."""
+        i = check_layer_index(i)
         return [self.get_layer(k, i) for k in keys]
 
     def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
@@ -175,7 +218,7 @@ class KVStore(ABC):
         with self._lock:
             c = dict(self._counts)
         out = {"uri": self.uri, **self._usage()}
-        for name in ("hits", "misses", "corruptions", "evictions", "puts", "put_skipped", "errors"):
+        for name in ("hits", "misses", "corruptions", "unsupported", "evictions", "puts", "put_skipped", "errors"):
             out[name] = c.pop(name, 0)
         out.update(c)
         return out
@@ -217,31 +260,70 @@ class KVStore(ABC):
         self._count("puts" if ok else "put_skipped")
         return ok
 
-    def _corrupt(self, key: str, err: Exception) -> None:
-        self._count("corruptions")
+    def _fetch_layer(self, key: str, i: int) -> StoredLayer | Miss:
+        try:
+            r = self._load(key, [i])
+            if r is None:
+                return self._absent()
+            layer = decode_layer(r[1], i, r[2][0], verify=self.verify_reads)
+        except _READ_FAILURES as e:
+            return self._missed(key, e)
+        self._count("hits")
+        return layer
+
+    def _missed(self, key: str, err: Exception) -> Miss:
+        """A read that raised: counted and handled by kind (newer format, damage, I/O)."""
+        if isinstance(err, UnsupportedEntry):
+            return self._unsupported(key, err)
+        if isinstance(err, CorruptEntry):
+            return self._corrupt(key, err)
+        return self._read_failed(key, err)
+
+    def _absent(self) -> Miss:
         self._count("misses")
+        return ABSENT
+
+    def _corrupt(self, key: str, err: Exception, miss: bool = True) -> Miss:
+        """Evidence of damage: counted, a miss (unless found by ``contains``), the entry removed."""
+        self._count("corruptions")
+        if miss:
+            self._count("misses")
         log.warning("%s: corrupt entry %s removed: %s", self.uri, key, err)
         try:
             self._remove(key)
         except (StoreError, OSError) as e:  # pragma: no cover - best effort
             log.warning("%s: could not remove corrupt entry %s: %s", self.uri, key, e)
+        return CORRUPT
+
+    def _unsupported(self, key: str, err: Exception) -> Miss:
+        """An entry of another format version: counted, a miss, logged once per key, left alone."""
+        self._count("unsupported")
+        self._count("misses")
+        with self._lock:
+            first = key not in self._unsupported_seen
+            if len(self._unsupported_seen) >= _SEEN_MAX:  # bounded: forget and maybe log again
+                self._unsupported_seen.clear()
+            self._unsupported_seen.add(key)
+        if first:
+            log.warning("%s: entry %s is of a format this build does not read (newer writer?); "
+                        "skipped and left in place: %s", self.uri, key, err)
+        return UNSUPPORTED
 
     def _guarded(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         try:
             r = self._load(key, layers)
-        except CorruptEntry as e:
-            self._corrupt(key, e)
+        except _READ_FAILURES as e:
+            self._missed(key, e)
             return None
-        except (StoreError, OSError) as e:
-            return self._read_failed(key, e)
         self._count("hits" if r is not None else "misses")
         return r
 
-    def _read_failed(self, key: str, err: Exception) -> None:
+    def _read_failed(self, key: str, err: Exception) -> Miss:
         """An I/O or connection error on read: counted, logged, a miss."""
         self._count("errors")
         self._count("misses")
         log.debug("%s: read of %s failed: %s", self.uri, key, err)
+        return ERROR
 
     def _get_full(self, key: str) -> tuple[bytes, Layout, list, list[StoredLayer]] | None:
         try:
@@ -252,33 +334,17 @@ class KVStore(ABC):
             header, layout, blobs = r
             stored = [decode_layer(layout, i, b, verify=self.verify_reads) for i, b in enumerate(blobs)]
             blobs = list(blobs)  # a backend may hand a lazy (streamed) sequence
-        except CorruptEntry as e:
-            self._corrupt(key, e)
+        except _READ_FAILURES as e:
+            self._missed(key, e)
             return None
-        except (StoreError, OSError) as e:
-            return self._read_failed(key, e)
         self._count("hits")
         return header, layout, blobs, stored
 
 
 _ALL = 1 << 30  # ``range(_ALL)`` passed to _load means "every layer"
+_READ_FAILURES = (UnsupportedEntry, CorruptEntry, StoreError, OSError)  # a read's misses, by kind
+_SEEN_MAX = 65536  # unsupported keys remembered for logging once
 
 
 def wants_all(layers: Sequence[int] | None) -> bool:
     return isinstance(layers, range) and layers == range(_ALL)
-
-
-def size_from_str(s: str | int | None) -> int | None:
-    """'10G' / '512M' / '1GiB' / '123' -> bytes; None/'' / 'none' -> None (unbounded)."""
-    if s is None or isinstance(s, int):
-        return s
-    t = s.strip().lower().replace("ib", "").rstrip("b")
-    if t in ("", "none", "inf", "0"):
-        return None if t != "0" else 0
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    try:
-        if t[-1] in mult:
-            return int(float(t[:-1]) * mult[t[-1]])
-        return int(t)
-    except ValueError:
-        raise ValueError(f"bad size {s!r}: use bytes or a number with K, M, G or T") from None

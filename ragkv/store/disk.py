@@ -3,9 +3,12 @@
 Layout under ``root``::
 
     objects/<2 hex fan-out>/<key>.kv     header | pad to 64 | blob 0 | blob 1 | ...
-    objects/<xx>/.tmp-<key>-<pid>-<rand> in-flight writes (removed on failure, swept when stale)
+    objects/<xx>/.tmp-<key>-<host>-<pid>-<rand>   in-flight writes (removed on failure)
     index.json                           {key: [bytes, last access]} (a cache of the directory)
     .lock                                fcntl lock taken for index writes and eviction
+
+Files are created with ``mode`` (0o600 by default), directories with the matching x bits (0o700),
+whatever the umask; directories that already exist keep their mode.
 
 - Writes: temp file in the entry's directory, fsync, ``os.replace`` -> readers see the whole entry
   or none. ENOSPC/EDQUOT -> ``StoreFull`` naming the path; the temp file is removed.
@@ -20,106 +23,39 @@ Layout under ``root``::
 - Restart: ``index.json`` gives sizes and access times without a stat per file; the directory
   listing is always compared with it and anything missing or extra is stat-ed (lost or stale
   index -> rebuilt by scanning).
+- Temp files: every rescan (at open, at evict) deletes those of a dead writer on this host right
+  away (the name carries host and pid: a ``kill -9`` mid-write leaves nothing behind for long) and
+  those of other hosts (shared NFS) or of older versions after an hour; live ones count toward
+  ``max_bytes``.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
-import json
 import os
-import re
-import threading
+import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
 
-from ragkv.store.base import KVStore, Loaded, log, size_from_str, wants_all
-from ragkv.store.entry import EncodedEntry, Layout, decode_header, header_nbytes
-from ragkv.store.errors import CorruptEntry, StoreError, StoreFull
+from ragkv.store import disk_io
+from ragkv.store.base import KVStore, Loaded, log, wants_all
+from ragkv.store.disk_io import SUFFIX, StreamedBlobs, read_exact
+from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
+from ragkv.store.entry import EncodedEntry, Layout, check_layer_index
+from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedEntry
+from ragkv.store.values import budget_from, check_key
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-_SUFFIX = ".kv"
-_HEAD_READ = 64 << 10
-_TMP_STALE_S = 3600.0
 _PAD = bytes(64)
-_STREAM_MIN = 4 << 20  # smaller entries are read in the caller's thread
-
-
-def check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise ValueError(f"invalid store key {key!r}: [A-Za-z0-9._-], at most 200 chars")
-    return key
 
 
 def _fanout(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
-
-
-def _read_exact(fd: int, buf, offset: int) -> None:
-    mv, got = memoryview(buf), 0
-    while got < len(mv):
-        n = os.preadv(fd, [mv[got:]], offset + got)
-        if n == 0:
-            raise CorruptEntry(f"truncated file: wanted {len(mv)} bytes at {offset}, got {got}")
-        got += n
-
-
-def _write_all(fd: int, data) -> None:
-    mv = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-    while len(mv):
-        n = os.write(fd, mv)
-        mv = mv[n:]
-
-
-class _StreamedBlobs:
-    """All layer blobs of one file, read by a helper thread into one buffer while the caller
-    verifies the layers already read (read and checksum overlap: two cores instead of one).
-    Indexing waits for that layer's bytes; a read error is raised where the layer is asked for."""
-
-    def __init__(self, store: DiskStore, fd: int, layout: Layout):
-        self.layout = layout
-        base = layout.data_offset
-        # uninitialised buffer (np.empty): every byte of every blob is written by the reads below
-        self._mv = memoryview(np.empty(layout.data_nbytes, dtype=np.uint8))
-        self._views = [self._mv[ll.offset : ll.offset + ll.nbytes] for ll in layout.layers]
-        self._done = [threading.Event() for _ in layout.layers]
-        self._err: BaseException | None = None
-
-        def read():
-            try:
-                for ll, view, ev in zip(layout.layers, self._views, self._done):
-                    _read_exact(fd, view, base + ll.offset)
-                    ev.set()
-            except BaseException as e:
-                self._err = e
-            finally:
-                os.close(fd)
-                for ev in self._done:
-                    ev.set()
-
-        if not store.parallel_read or layout.data_nbytes < _STREAM_MIN:
-            read()
-        else:
-            store._reader().submit(read)
-
-    def __len__(self) -> int:
-        return len(self._views)
-
-    def __getitem__(self, i: int):
-        self._done[i].wait()
-        if self._err is not None:  # the entry is bad (e.g. truncated under us): refuse all of it
-            raise self._err
-        return self._views[i]
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
 
 
 class DiskStore(KVStore):
@@ -130,41 +66,89 @@ class DiskStore(KVStore):
         fsync: bool = True,
         rescan_every: int = 64,
         parallel_read: bool | None = None,
+        mode: int = 0o600,
     ):
+        """``mode``: of every file the store creates (entries, temp files, index, lock); its
+        directories get the matching x bits. 0o600/0o700 by default: entries hold token ids in
+        clear; 0o640 lets a group read a shared directory (0o660: and write it)."""
         super().__init__()
+        self.mode = disk_io.check_mode(mode)
         self.root = Path(root).expanduser().resolve()
-        self.max_bytes = size_from_str(max_bytes)
+        self.max_bytes = budget_from(max_bytes)
         self.fsync = fsync
         self.rescan_every = rescan_every
         # overlap file reads with checksum verification on a helper thread; it needs a second core
         # (default: on when there is one; measured 4.4 -> 3.4 ms per 23.6 MB entry on an idle 2-core box)
         self.parallel_read = (os.cpu_count() or 1) > 1 if parallel_read is None else parallel_read
         self._objects = self.root / "objects"
-        self._objects.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.root / ".lock"
         self._index_path = self.root / "index.json"
         self._index: dict[str, list] = {}  # key -> [nbytes, last access (mtime)]
         self._bytes = 0
+        self._tmp_bytes = 0  # live temp files (in-flight writes) at the last scan
         self._puts_since_scan = 0
         self._pool: ThreadPoolExecutor | None = None
-        with self._flock():
-            self._rescan(load_index=True)
+        try:
+            disk_io.makedirs(self._objects, self.mode)
+            with self._flock():
+                self._rescan(load_index=True)
+        except (NotADirectoryError, FileExistsError):
+            raise ValueError(f"disk store path {self.root} is not a directory (or lies under a file)") from None
+        except OSError as e:
+            raise StoreUnavailable(f"disk store {self.root}: cannot use it: {e}") from None
+        if self.max_bytes is not None and self._bytes + self._tmp_bytes > self.max_bytes:
+            log.warning("%s: the directory holds %d bytes in %d entries, more than max_bytes=%d; "
+                        "the first write will evict down to it", self.uri, self._bytes + self._tmp_bytes,
+                        len(self._index), self.max_bytes)
 
     @property
     def uri(self) -> str:
         q = [] if self.max_bytes is None else [f"max_bytes={self.max_bytes}"]
         if not self.fsync:
             q.append("fsync=0")
+        if self.mode != 0o600:
+            q.append(f"mode={self.mode:04o}")
         return f"disk://{self.root}" + ("?" + "&".join(q) if q else "")
+
+    def check(self) -> None:
+        """The root is a directory this process can create files in (a probe file, removed)."""
+        try:
+            if not self._objects.is_dir():
+                raise NotADirectoryError(f"{self._objects} is not a directory")
+            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=self.root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise StoreUnavailable(f"disk store {self.root}: not usable: {e}") from None
 
     def path(self, key: str) -> Path:
         check_key(key)
-        return self._objects / _fanout(key) / (key + _SUFFIX)
+        return self._objects / _fanout(key) / (key + SUFFIX)
 
     # ---- hooks --------------------------------------------------------------------------------
 
     def contains(self, key: str) -> bool:
-        return self.path(key).exists()
+        """A complete entry file is there: its header is valid and bound to ``key`` and the file
+        size is the header's total (cheap: no checksum). A truncated or garbage file is counted as
+        corrupt and removed, so a put rewrites it; an entry of a newer format counts as present."""
+        p = self.path(key)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            disk_io.read_header(fd, key)
+            return True
+        except UnsupportedEntry:
+            return True
+        except CorruptEntry as e:
+            self._corrupt(key, e, miss=False)
+            return False
+        except OSError as e:
+            log.debug("%s: contains(%s) could not read: %s", self.uri, key, e)
+            return False
+        finally:
+            os.close(fd)
 
     def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:
         p = self.path(key)
@@ -174,23 +158,16 @@ class DiskStore(KVStore):
             self._forget(key)
             return None
         try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, min(size, _HEAD_READ), 0)
-            n = header_nbytes(head)
-            if n > len(head):
-                head += os.pread(fd, n - len(head), len(head))
-            header = head[:n]
-            _meta, layout = decode_header(header, key)
-            self._check_size(layout, size)
+            header, layout, size = disk_io.read_header(fd, key)
             if layers is not None and wants_all(layers):
-                blobs = _StreamedBlobs(self, fd, layout)  # owns fd from here on
+                blobs = StreamedBlobs(self, fd, layout)  # owns fd from here on
                 fd = -1
             else:
                 blobs = []
                 for i in layers or ():
-                    ll = layout.layers[i]
+                    ll = layout.layers[check_layer_index(i, layout)]
                     b = memoryview(np.empty(ll.nbytes, dtype=np.uint8))  # every byte is read into
-                    _read_exact(fd, b, layout.data_offset + ll.offset)
+                    read_exact(fd, b, layout.data_offset + ll.offset)
                     blobs.append(b)
         finally:
             if fd >= 0:
@@ -198,19 +175,17 @@ class DiskStore(KVStore):
         self._touch(key, p, size)
         return header, layout, blobs
 
-    @staticmethod
-    def _check_size(layout: Layout, size: int) -> None:
-        if size != layout.total_nbytes:
-            raise CorruptEntry(f"file is {size} bytes, header says {layout.total_nbytes}")
-
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
         p = self.path(key)
+        if self.max_bytes is not None and layout.total_nbytes > self.max_bytes:  # would evict all
+            raise StoreFull(f"disk store {self.root}: entry {key} is {layout.total_nbytes} bytes, larger than "
+                            f"the whole budget max_bytes={self.max_bytes}; not stored, nothing evicted")
         if p.exists():
             return False
-        p.parent.mkdir(exist_ok=True)
-        tmp = p.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        disk_io.makedirs(p.parent, self.mode)
+        tmp = p.parent / disk_io.tmp_name(key)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = disk_io.create(tmp, self.mode)
             try:
                 _write_all(fd, enc.header)
                 _write_all(fd, _PAD[: layout.data_offset - len(enc.header)])
@@ -232,7 +207,7 @@ class DiskStore(KVStore):
                 self._bytes += layout.total_nbytes
             self._index[key] = [layout.total_nbytes, time.time()]
             self._puts_since_scan += 1
-            need = (self.max_bytes is not None and self._bytes > self.max_bytes) or (
+            need = (self.max_bytes is not None and self._bytes + self._tmp_bytes > self.max_bytes) or (
                 self._puts_since_scan >= self.rescan_every
             )
         if need:
@@ -257,8 +232,8 @@ class DiskStore(KVStore):
             except FileNotFoundError:
                 continue
             for name in names:
-                if name.endswith(_SUFFIX) and not name.startswith("."):
-                    yield name[: -len(_SUFFIX)]
+                if name.endswith(SUFFIX) and not name.startswith("."):
+                    yield name[: -len(SUFFIX)]
 
     def clear(self) -> None:
         with self._flock():
@@ -284,37 +259,46 @@ class DiskStore(KVStore):
 
     def _usage(self) -> dict:
         with self._lock:
-            return {"entries": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes}
+            return {"entries": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                    "tmp_bytes": self._tmp_bytes}
 
     # ---- index / eviction -----------------------------------------------------------------------
 
-    def evict(self) -> int:
-        """Rescan the directory and delete LRU unpinned entries until within budget."""
+    def evict(self, max_bytes: int | None = None) -> int:
+        """Rescan the directory and delete least recently used unpinned entries until it fits
+        ``max_bytes`` (default: the store's own budget; the store's budget is not changed)."""
+        limit = self.max_bytes if max_bytes is None else max_bytes
         n = 0
         with self._flock():
             self._rescan(load_index=False)
-            if self.max_bytes is not None and self._bytes > self.max_bytes:
-                with self._lock:
-                    order = sorted(self._index.items(), key=lambda kv: kv[1][1])
-                for key, _ in order:
-                    if self._bytes <= self.max_bytes:
-                        break
-                    if self.is_pinned(key):
-                        continue
-                    if self._remove(key):
-                        n += 1
-                self._count("evictions", n)
+            for key, _ in self._victims(limit):
+                n += self._remove(key)
+            self._count("evictions", n)
             self._save_index()
         return n
 
-    @contextmanager
+    def plan_eviction(self, max_bytes: int) -> tuple[int, int]:
+        """(entries, bytes) that ``evict(max_bytes)`` would delete now; deletes nothing."""
+        with self._flock():
+            self._rescan(load_index=False)
+            victims = self._victims(max_bytes)
+        return len(victims), sum(nbytes for _, nbytes in victims)
+
+    def _victims(self, limit: int | None) -> list[tuple[str, int]]:
+        """LRU unpinned entries to delete so that the directory fits ``limit`` (lock held)."""
+        with self._lock:  # live temp files count: they become entries
+            total, order = self._bytes + self._tmp_bytes, sorted(self._index.items(), key=lambda kv: kv[1][1])
+        out = []
+        for key, (nbytes, _) in order:
+            if limit is None or total <= limit:
+                break
+            if not self.is_pinned(key):
+                out.append((key, nbytes))
+                total -= nbytes
+        return out
+
     def _flock(self):
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        return disk_io.flock(self._lock_path, self.mode)
 
     def _touch(self, key: str, p: Path, size: int) -> None:
         now = time.time()
@@ -335,56 +319,22 @@ class DiskStore(KVStore):
                 self._bytes -= e[0]
 
     def _rescan(self, load_index: bool) -> None:
-        """Reconcile the index with the directory (lock held). Known entries keep their cached
-        size; their access time is refreshed from mtime; unknown ones are stat-ed."""
-        cached: dict[str, list] = {}
+        """Reconcile the index with the directory (lock held), sweeping orphaned temp files. Known
+        entries keep their cached size; their access time is refreshed from mtime; unknown ones
+        are stat-ed."""
         if load_index:
-            try:
-                doc = json.loads(self._index_path.read_text())
-                if isinstance(doc, dict) and doc.get("version") == 1 and isinstance(doc.get("entries"), dict):
-                    cached = {
-                        k: [int(v[0]), float(v[1])]
-                        for k, v in doc["entries"].items()
-                        if isinstance(v, list) and len(v) == 2
-                    }
-            except (OSError, ValueError, TypeError):
-                cached = {}  # lost or unreadable index: rebuilt from the scan below
+            cached = disk_io.load_index(self._index_path)
         else:
             with self._lock:
                 cached = {k: list(v) for k, v in self._index.items()}
-        index: dict[str, list] = {}
-        now = time.time()
-        for sub in os.scandir(self._objects):
-            if not sub.is_dir():
-                continue
-            for de in os.scandir(sub.path):
-                name = de.name
-                if name.startswith(".tmp-"):
-                    try:
-                        if now - de.stat().st_mtime > _TMP_STALE_S:
-                            os.unlink(de.path)
-                    except OSError:
-                        pass
-                    continue
-                if not name.endswith(_SUFFIX):
-                    continue
-                key = name[: -len(_SUFFIX)]
-                if key in cached and load_index:
-                    index[key] = cached[key]
-                    continue
-                try:
-                    st = de.stat()
-                except FileNotFoundError:
-                    continue
-                index[key] = [st.st_size, max(st.st_mtime, cached.get(key, [0, 0.0])[1])]
+        index, tmp_bytes = disk_io.scan_objects(self._objects, cached, trust_cached=load_index)
         with self._lock:
             self._index = index
             self._bytes = sum(v[0] for v in index.values())
+            self._tmp_bytes = tmp_bytes
             self._puts_since_scan = 0
 
     def _save_index(self) -> None:
         with self._lock:
-            doc = {"version": 1, "entries": dict(self._index)}
-        tmp = self._index_path.with_name(f".index-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(doc, separators=(",", ":")))
-        os.replace(tmp, self._index_path)
+            entries = dict(self._index)
+        disk_io.save_index(self._index_path, entries, self.mode)

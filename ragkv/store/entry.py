@@ -1,5 +1,5 @@
-"""Entry data model and the on-wire/on-disk codec. No pickle anywhere: raw little-endian tensor
-bytes plus a JSON header.
+"""The entry codec (on the wire and on disk). No pickle anywhere: raw little-endian tensor bytes
+plus a JSON header. Value types live in ``layout.py``, storage dtypes and int8 in ``quant.py``.
 
 Header bytes (``EncodedEntry.header``)::
 
@@ -15,7 +15,10 @@ Checksum ("bsum64-crc32"): the blob viewed as little-endian uint64 words is summ
 4 KiB block with numpy, and crc32 is taken over the block sums. One pass at ~25 GB/s on one core,
 vs zlib.crc32 ~5 GB/s and blake2b ~1 GB/s (measured, see README). It detects every single-bit flip,
 any corruption confined to one 8-byte word, truncation and block reordering; it is a corruption
-check, not a MAC. Decoding validates everything and raises ``CorruptEntry`` on any mismatch.
+check, not a MAC. Decoding validates everything and raises ``CorruptEntry`` on any mismatch, and
+``UnsupportedEntry`` for a valid magic with another format version (or an unknown checksum
+algorithm): an entry of a newer writer, not a damaged one. A version field that differs while the
+rest of the header is an intact header of this version is damage (``CorruptEntry``).
 """
 
 from __future__ import annotations
@@ -24,180 +27,45 @@ import functools
 import itertools
 import json
 import math
+import numbers
 import struct
 import warnings
 import zlib
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ragkv.store.errors import CorruptEntry
+from ragkv.store.errors import CorruptEntry, UnsupportedEntry
+from ragkv.store.layout import (
+    ALIGN,
+    ChunkKV,
+    EncodedEntry,
+    EntryMeta,
+    LayerLayout,
+    Layout,
+    TensorLayout,
+    align_up,
+    expected_dtypes,
+    expected_shapes,
+)
+from ragkv.store.quant import ITEMSIZE, TORCH_DTYPE, StoredLayer, quantize_layer
+
+# re-exported: callers import the entry's types from here
+__all__ = [
+    "ChunkKV", "CorruptEntry", "EncodedEntry", "EntryMeta", "LayerLayout", "Layout", "StoredLayer",
+    "TensorLayout", "UnsupportedEntry", "check_layer_index", "checksum", "decode_header", "decode_layer", "encode", "encode_stored",
+    "header_nbytes", "quantize_layer",
+]
 
 MAGIC = b"RAGKVE\x00\x01"
 FORMAT_VERSION = 1
 CHECKSUM_ALGO = "bsum64-crc32"
-ALIGN = 64
 _PREFIX = struct.Struct("<8sIII")  # magic, version, json length, crc32(json)
 MAX_HEADER_JSON = 64 << 20
 
-MODEL_DTYPES = ("float32", "float16", "bfloat16")
-STORAGE_DTYPES = (*MODEL_DTYPES, "int8")
-QUANT_AXES = ("token", "channel", "auto")  # auto = KIVI: K per-channel, V per-token
-_TORCH_DTYPE = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int8": torch.int8,
-}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 _TENSOR_NAMES = ("k", "v", "k_scale", "v_scale")
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-# ---------------------------------------------------------------------------------------------
-# value types
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EntryMeta:
-    key: str
-    token_ids: tuple[int, ...]
-    start_pos: int  # prefilled at absolute positions [start_pos, start_pos + len(token_ids))
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    model_dtype: str  # dtype K/V decode to
-    storage_dtype: str  # model dtype | float16 | bfloat16 | int8
-    quant_axis: str | None  # int8 only: "token" | "channel" | "auto" (K channel, V token)
-    fingerprint: str
-    policy: str
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
-        if self.model_dtype not in MODEL_DTYPES:
-            raise ValueError(f"model_dtype {self.model_dtype!r}: valid are {MODEL_DTYPES}")
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype {self.storage_dtype!r}: valid are {STORAGE_DTYPES}")
-        if self.storage_dtype == "int8":
-            if self.quant_axis not in QUANT_AXES:
-                raise ValueError(f"quant_axis {self.quant_axis!r}: valid for int8 are {QUANT_AXES}")
-        elif self.quant_axis is not None:
-            raise ValueError("quant_axis is only meaningful for storage_dtype='int8'")
-        if not self.token_ids:
-            raise ValueError("EntryMeta: a chunk needs at least one token")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EntryMeta.{name} must be >= 1")
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def axes(self) -> tuple[str | None, str | None]:
-        """Scale axis of K and of V (None when not quantized)."""
-        if self.storage_dtype != "int8":
-            return None, None
-        if self.quant_axis == "auto":
-            return "channel", "token"
-        return self.quant_axis, self.quant_axis
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["token_ids"] = list(self.token_ids)
-        return d
-
-
-@dataclass
-class StoredLayer:
-    """One layer as stored. k, v: [kv_heads, tokens, head_dim] in storage dtype; scales fp32,
-    [kv_heads, tokens, 1] (per-token) or [kv_heads, 1, head_dim] (per-channel), int8 only."""
-
-    k: Tensor
-    v: Tensor
-    k_scale: Tensor | None = None
-    v_scale: Tensor | None = None
-
-    def dequantize(self, dtype: torch.dtype | str) -> tuple[Tensor, Tensor]:
-        dtype = _TORCH_DTYPE[dtype] if isinstance(dtype, str) else dtype
-        if self.k.dtype == torch.int8:
-            assert self.k_scale is not None and self.v_scale is not None
-            k = (self.k.to(torch.float32) * self.k_scale).to(dtype)
-            v = (self.v.to(torch.float32) * self.v_scale).to(dtype)
-            return k, v
-        return self.k.to(dtype), self.v.to(dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors().values())
-
-    def _tensors(self) -> dict[str, Tensor]:
-        out = {"k": self.k, "v": self.v}
-        if self.k_scale is not None:
-            out["k_scale"] = self.k_scale
-        if self.v_scale is not None:
-            out["v_scale"] = self.v_scale
-        return out
-
-
-@dataclass
-class ChunkKV:
-    meta: EntryMeta
-    layers: list[tuple[Tensor, Tensor]]  # decoded (K, V) per layer, [kv_heads, tokens, head_dim]
-
-
-@dataclass
-class EncodedEntry:
-    header: bytes
-    blobs: list  # list of bytes-like (bytes | bytearray | memoryview), one per layer
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.header) + sum(len(b) for b in self.blobs)
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    offset: int  # from the start of the data section (disk: file offset = data_offset + offset)
-    nbytes: int
-    checksum: int
-    tensors: dict[str, TensorLayout]
-
-
-@dataclass(frozen=True)
-class Layout:
-    meta: EntryMeta
-    header_nbytes: int
-    layers: tuple[LayerLayout, ...]
-
-    @property
-    def data_offset(self) -> int:
-        return _align(self.header_nbytes)
-
-    @property
-    def data_nbytes(self) -> int:
-        last = self.layers[-1]
-        return last.offset + last.nbytes
-
-    @property
-    def total_nbytes(self) -> int:  # header + padding + all blobs (the disk file size)
-        return self.data_offset + self.data_nbytes
-
 
 # ---------------------------------------------------------------------------------------------
 # pure helpers
@@ -215,57 +83,11 @@ def checksum(buf) -> int:
     return crc
 
 
-def _absmax_scale(x: Tensor, dim: int) -> Tensor:
-    scale = x.abs().amax(dim=dim, keepdim=True).to(torch.float32) / 127.0
-    return scale
-
-
-def quantize_tensor(x: Tensor, axis: str) -> tuple[Tensor, Tensor]:
-    """Symmetric absmax int8. axis "token": one scale per (kv_head, token) -> [H, T, 1];
-    "channel": one per (kv_head, channel) -> [H, 1, D]."""
-    xf = x.to(torch.float32)
-    scale = _absmax_scale(xf, dim=2 if axis == "token" else 1)
-    q = torch.where(scale > 0, xf / scale.clamp_min(1e-30), torch.zeros_like(xf))
-    return q.round_().clamp_(-127, 127).to(torch.int8), scale.contiguous()
-
-
-def quantize_layer(k: Tensor, v: Tensor, storage_dtype: str, quant_axis: str | None = None) -> StoredLayer:
-    """k, v: [kv_heads, tokens, head_dim] (any float dtype) -> StoredLayer in storage dtype."""
-    if storage_dtype not in STORAGE_DTYPES:
-        raise ValueError(f"storage_dtype {storage_dtype!r}: valid are {STORAGE_DTYPES}")
-    if storage_dtype != "int8":
-        dt = _TORCH_DTYPE[storage_dtype]
-        return StoredLayer(k.detach().to(dt).contiguous(), v.detach().to(dt).contiguous())
-    if quant_axis not in QUANT_AXES:
-        raise ValueError(f"quant_axis {quant_axis!r}: valid for int8 are {QUANT_AXES}")
-    k_axis, v_axis = ("channel", "token") if quant_axis == "auto" else (quant_axis, quant_axis)
-    qk, sk = quantize_tensor(k.detach(), k_axis)
-    qv, sv = quantize_tensor(v.detach(), v_axis)
-    return StoredLayer(qk, qv, sk, sv)
-
-
 def _tensor_bytes(t: Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return memoryview(t.numpy()).cast("B")
-
-
-def _expected_shapes(meta: EntryMeta) -> dict[str, tuple[int, ...]]:
-    h, n, d = meta.num_kv_heads, meta.num_tokens, meta.head_dim
-    out: dict[str, tuple[int, ...]] = {"k": (h, n, d), "v": (h, n, d)}
-    k_axis, v_axis = meta.axes()
-    for name, axis in (("k_scale", k_axis), ("v_scale", v_axis)):
-        if axis is not None:
-            out[name] = (h, n, 1) if axis == "token" else (h, 1, d)
-    return out
-
-
-def _expected_dtypes(meta: EntryMeta) -> dict[str, str]:
-    out = {"k": meta.storage_dtype, "v": meta.storage_dtype}
-    if meta.storage_dtype == "int8":
-        out.update(k_scale="float32", v_scale="float32")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +99,7 @@ def encode_stored(meta: EntryMeta, layers: list[StoredLayer]) -> EncodedEntry:
     """Serialize already-quantized layers (one copy of the tensor bytes)."""
     if len(layers) != meta.num_layers:
         raise ValueError(f"encode: {len(layers)} layers, meta says {meta.num_layers}")
-    shapes, dtypes = _expected_shapes(meta), _expected_dtypes(meta)
+    shapes, dtypes = expected_shapes(meta), expected_dtypes(meta)
     blobs, lay_json, offset = [], [], 0
     for i, layer in enumerate(layers):
         tensors = layer._tensors()
@@ -288,7 +110,7 @@ def encode_stored(meta: EntryMeta, layers: list[StoredLayer]) -> EncodedEntry:
             if name not in tensors:
                 continue
             t = tensors[name]
-            if tuple(t.shape) != shapes[name] or t.dtype != _TORCH_DTYPE[dtypes[name]]:
+            if tuple(t.shape) != shapes[name] or t.dtype != TORCH_DTYPE[dtypes[name]]:
                 raise ValueError(
                     f"encode: layer {i} {name} is {tuple(t.shape)} {t.dtype}, "
                     f"expected {shapes[name]} {dtypes[name]}"
@@ -296,7 +118,7 @@ def encode_stored(meta: EntryMeta, layers: list[StoredLayer]) -> EncodedEntry:
             mv = _tensor_bytes(t)
             parts.append((pos, mv))
             tl[name] = {"dtype": dtypes[name], "shape": list(shapes[name]), "offset": pos, "nbytes": len(mv)}
-            pos = _align(pos + len(mv))
+            pos = align_up(pos + len(mv))
         blob = bytearray(pos)
         for p, mv in parts:
             blob[p : p + len(mv)] = mv
@@ -343,14 +165,28 @@ def header_nbytes(prefix: bytes) -> int:
     """Total header length from its first 20 bytes (for backends that read the header first)."""
     if len(prefix) < _PREFIX.size:
         raise CorruptEntry("header: truncated prefix")
-    magic, version, n, _ = _PREFIX.unpack_from(prefix)
+    magic, version, n, crc = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptEntry("header: bad magic")
     if version != FORMAT_VERSION:
-        raise CorruptEntry(f"header: format version {version}, this build reads {FORMAT_VERSION}")
+        if _is_our_json(prefix, n, crc):  # a damaged version field of an entry in our format
+            raise CorruptEntry(f"header: format version {version}, but the header's JSON says {FORMAT_VERSION}")
+        raise UnsupportedEntry(f"header: format version {version}, this build reads {FORMAT_VERSION}")
     if n > MAX_HEADER_JSON:
         raise CorruptEntry(f"header: json length {n} too large")
     return _PREFIX.size + n
+
+
+def _is_our_json(header: bytes, n: int, crc: int) -> bool:
+    """True when the bytes after the prefix are an intact JSON header of this build's version."""
+    js = bytes(header[_PREFIX.size : _PREFIX.size + n])
+    if n > MAX_HEADER_JSON or len(js) != n or zlib.crc32(js) != crc:
+        return False
+    try:
+        doc = json.loads(js)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == "ragkv-entry" and doc.get("version") == FORMAT_VERSION
 
 
 def _meta_from_json(m: Any) -> EntryMeta:
@@ -408,13 +244,15 @@ def _decode_header_bytes(header: bytes) -> tuple[EntryMeta, Layout]:
         raise CorruptEntry(f"header: bad json ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != "ragkv-entry":
         raise CorruptEntry("header: not a ragkv entry")
-    if doc.get("version") != FORMAT_VERSION or doc.get("checksum") != CHECKSUM_ALGO:
-        raise CorruptEntry("header: unsupported version or checksum algorithm")
+    if doc.get("version") != FORMAT_VERSION:  # the prefix said ours: inconsistent, not newer
+        raise CorruptEntry(f"header: JSON version {doc.get('version')!r}, prefix says {FORMAT_VERSION}")
+    if doc.get("checksum") != CHECKSUM_ALGO:
+        raise UnsupportedEntry(f"header: checksum algorithm {doc.get('checksum')!r}, this build reads {CHECKSUM_ALGO}")
     meta = _meta_from_json(doc.get("meta"))
     lays = _req(doc, "layers", list, "header")
     if len(lays) != meta.num_layers:
         raise CorruptEntry(f"header: {len(lays)} layer layouts, meta says {meta.num_layers}")
-    shapes, dtypes = _expected_shapes(meta), _expected_dtypes(meta)
+    shapes, dtypes = expected_shapes(meta), expected_dtypes(meta)
     layers, offset = [], 0
     for i, lj in enumerate(lays):
         w = f"layers[{i}]"
@@ -432,7 +270,7 @@ def _decode_header_bytes(header: bytes) -> tuple[EntryMeta, Layout]:
             to, tn = _req(t, "offset", int, tw), _req(t, "nbytes", int, tw)
             if dt != dtypes[name] or tuple(sh) != shapes[name]:
                 raise CorruptEntry(f"{tw}: {dt} {sh}, expected {dtypes[name]} {list(shapes[name])}")
-            if tn != math.prod(sh) * _ITEMSIZE[dt] or to < 0 or to % ALIGN or to + tn > ln:
+            if tn != math.prod(sh) * ITEMSIZE[dt] or to < 0 or to % ALIGN or to + tn > ln:
                 raise CorruptEntry(f"{tw}: bad byte range ({to}, {tn}) in a {ln}-byte blob")
             tensors[name] = TensorLayout(dt, tuple(sh), to, tn)
         ranges = sorted((t.offset, t.offset + t.nbytes) for t in tensors.values())
@@ -469,11 +307,23 @@ def _frombuffer(blob, count: int, offset: int) -> Tensor:
     return torch.frombuffer(blob, dtype=torch.uint8, count=count, offset=offset)
 
 
+def check_layer_index(i, layout: Layout | None = None) -> int:
+    """A caller's layer index: an int (not a bool), and with ``layout`` within the entry's layers.
+    A bad index is the caller's error (IndexError), never evidence against the entry."""
+    if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+        raise IndexError(f"layer index must be an int, got {i!r}")
+    if layout is not None and not 0 <= i < len(layout.layers):
+        raise IndexError(
+            f"layer index {i} out of range: entry {layout.meta.key} has {len(layout.layers)} layers"
+        )
+    return int(i)
+
+
 def decode_layer(layout: Layout, i: int, blob, verify: bool = True) -> StoredLayer:
     """View one layer blob as tensors (no copy; the tensors share ``blob``'s memory). ``verify``
-    checks the checksum and finiteness; lengths, dtypes and shapes are always checked."""
-    if not 0 <= i < len(layout.layers):
-        raise CorruptEntry(f"layer {i} out of range (entry has {len(layout.layers)})")
+    checks the checksum and finiteness; lengths, dtypes and shapes are always checked. IndexError
+    for an index outside the entry; CorruptEntry for bad bytes."""
+    i = check_layer_index(i, layout)
     ll = layout.layers[i]
     if len(blob) != ll.nbytes:
         raise CorruptEntry(f"layer {i}: {len(blob)} bytes, header says {ll.nbytes}")
@@ -481,7 +331,7 @@ def decode_layer(layout: Layout, i: int, blob, verify: bool = True) -> StoredLay
         raise CorruptEntry(f"layer {i}: checksum mismatch")
     out = {}
     for name, t in ll.tensors.items():
-        out[name] = _frombuffer(blob, t.nbytes, t.offset).view(_TORCH_DTYPE[t.dtype]).view(t.shape)
+        out[name] = _frombuffer(blob, t.nbytes, t.offset).view(TORCH_DTYPE[t.dtype]).view(t.shape)
     if verify:
         meta_dtype = layout.meta.storage_dtype
         if "k_scale" in out:  # int8: the scales are the only floats
@@ -495,10 +345,3 @@ def decode_layer(layout: Layout, i: int, blob, verify: bool = True) -> StoredLay
                 raise CorruptEntry(f"layer {i}: non-finite values")
     return StoredLayer(out["k"], out["v"], out.get("k_scale"), out.get("v_scale"))
 
-
-def stored_nbytes_per_token(meta: EntryMeta) -> float:
-    """Stored bytes per token of the whole entry (all layers, K and V, scales included)."""
-    n = 0
-    for name, shape in _expected_shapes(meta).items():
-        n += math.prod(shape) * _ITEMSIZE[_expected_dtypes(meta)[name]]
-    return n * meta.num_layers / meta.num_tokens

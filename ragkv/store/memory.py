@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from ragkv.store.base import KVStore, Loaded, size_from_str, wants_all
-from ragkv.store.entry import EncodedEntry, Layout
+from ragkv.store.base import KVStore, Loaded, wants_all
+from ragkv.store.entry import EncodedEntry, Layout, check_layer_index
+from ragkv.store.values import budget_from
 
 
 class MemoryStore(KVStore):
@@ -18,7 +19,7 @@ class MemoryStore(KVStore):
 
     def __init__(self, max_bytes: int | str | None = 1 << 30):
         super().__init__()
-        self.max_bytes = size_from_str(max_bytes)
+        self.max_bytes = budget_from(max_bytes)
         self._d: OrderedDict[str, tuple[bytes, Layout, list]] = OrderedDict()
         self._bytes = 0
 
@@ -39,7 +40,7 @@ class MemoryStore(KVStore):
         header, layout, blobs = e
         if layers is None:
             return header, layout, []
-        sel = blobs if wants_all(layers) else [blobs[i] for i in layers]
+        sel = blobs if wants_all(layers) else [blobs[check_layer_index(i, layout)] for i in layers]
         return header, layout, [bytearray(b) for b in sel]  # blobs are never mutated: copy unlocked
 
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:

@@ -1,7 +1,12 @@
 """TieredStore: an ordered list of stores, fastest first (e.g. memory, disk, redis).
 
-- ``put``: encodes once and writes the same bytes to every tier. A tier whose write fails
-  (StoreFull, Redis down) is logged and counted in ``tier_write_errors``; the others still get it.
+- ``put`` / ``put_encoded``: encode once, write the same bytes to every tier that lacks the key
+  (also when only a lower tier has it). A tier whose write fails (StoreFull, Redis down) is logged
+  and counted in ``tier_write_errors``; the others still get it.
+- ``contains``: any tier; ``missing_tiers(key)``: the tiers lacking a valid entry; ``fill(key)``:
+  copy a verified copy into them (Redis restarted empty under a disk tier, a truncated disk file).
+- ``fetch_layers`` / ``get_layer(s)``: each key from the first tier that has it, no promotion; a
+  miss everywhere reports "error" if a tier could not be asked, else corrupt/unsupported/absent.
 - ``get``: asks tier by tier; a hit in a lower tier is promoted (the whole verified entry is copied
   into every tier above) before it is decoded. ``get_meta`` (the read path's lookup) that hits a
   lower tier schedules the same promotion on a background thread, so the request streams its layers
@@ -19,8 +24,20 @@ from contextlib import ExitStack, contextmanager
 from torch import Tensor
 
 from ragkv.store.base import KVStore, Loaded, log
-from ragkv.store.entry import ChunkKV, EncodedEntry, EntryMeta, Layout, StoredLayer, decode_header, encode
-from ragkv.store.errors import StoreError
+from ragkv.store.entry import (
+    ChunkKV,
+    EncodedEntry,
+    EntryMeta,
+    Layout,
+    StoredLayer,
+    check_layer_index,
+    decode_header,
+    encode,
+)
+from ragkv.store.errors import CorruptEntry, StoreError, StoreUnavailable, UnsupportedEntry
+from ragkv.store.values import Miss, check_key
+
+_REASON_ORDER = ("error", "corrupt", "unsupported", "absent")  # most telling first
 
 
 class TieredStore(KVStore):
@@ -42,15 +59,8 @@ class TieredStore(KVStore):
     def _load(self, key: str, layers: Sequence[int] | None) -> Loaded | None:  # pragma: no cover
         raise NotImplementedError
 
-    def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
-        wrote = False
-        for t in self.tiers:
-            try:
-                wrote |= t.put_encoded(key, enc)
-            except StoreError as e:
-                self._count("tier_write_errors")
-                log.warning("%s: write of %s skipped: %s", t.uri, key, e)
-        return wrote
+    def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:  # pragma: no cover
+        raise NotImplementedError  # put and put_encoded write tier by tier
 
     def _remove(self, key: str) -> bool:
         out = False
@@ -69,22 +79,81 @@ class TieredStore(KVStore):
                     seen.add(k)
                     yield k
 
+    def check(self) -> None:
+        """Check every tier; StoreUnavailable naming each failing tier (``tier 3 of 3: ...``)."""
+        bad = []
+        for j, t in enumerate(self.tiers, 1):
+            try:
+                t.check()
+            except StoreUnavailable as e:
+                bad.append(f"tier {j} of {len(self.tiers)}: {e}")
+        if bad:
+            raise StoreUnavailable("; ".join(bad))
+
     def contains(self, key: str) -> bool:
+        """Any tier holds it (see ``missing_tiers`` for the ones that do not)."""
         return any(t.contains(key) for t in self.tiers)
 
+    def missing_tiers(self, key: str) -> list[KVStore]:
+        return [t for t in self.tiers if not t.contains(key)]
+
+    def fill(self, key: str) -> bool:
+        """Copy the entry from the first tier holding a verified copy (``get_encoded``: a corrupt
+        copy is counted and removed there, the next tier is tried) into every tier that lacks it.
+        True when every tier now holds it; False when no tier has a valid copy or a write failed."""
+        missing = self.missing_tiers(key)
+        if not missing:
+            return True
+        enc = None
+        for t in self.tiers:
+            if not any(t is m for m in missing):
+                enc = t.get_encoded(key)
+                if enc is not None:
+                    break
+        if enc is None:
+            return False
+        ok = True
+        for t in missing:
+            try:
+                if t.put_encoded(key, enc):
+                    self._count("fills")
+                elif not t.contains(key):  # e.g. larger than a memory tier's budget
+                    ok = False
+            except StoreError as e:
+                self._count("tier_write_errors")
+                log.warning("%s: fill of %s failed: %s", t.uri, key, e)
+                ok = False
+        return ok
+
+    def put_encoded(self, key: str, enc: EncodedEntry) -> bool:
+        """Write the entry into every tier that lacks it (each tier validates it and skips it when
+        present). True when a tier was written; False when every tier already had it."""
+        check_key(key)
+        try:
+            decode_header(enc.header, key)
+        except (CorruptEntry, UnsupportedEntry) as e:
+            raise ValueError(f"put_encoded({key!r}): invalid entry: {e}") from None
+        wrote = self._write_tiers(self.tiers, key, enc)
+        self._count("puts" if wrote else "put_skipped")
+        return wrote
+
+    def _write_tiers(self, tiers: Sequence[KVStore], key: str, enc: EncodedEntry) -> bool:
+        wrote = False
+        for t in tiers:
+            try:
+                wrote |= t.put_encoded(key, enc)
+            except StoreError as e:
+                self._count("tier_write_errors")
+                log.warning("%s: write of %s skipped: %s", t.uri, key, e)
+        return wrote
+
     def put(self, meta: EntryMeta, layers_kv: Sequence[tuple[Tensor, Tensor]]) -> bool:
+        check_key(meta.key)
         missing = [t for t in self.tiers if not t.contains(meta.key)]
         if not missing:
             self._count("put_skipped")
             return False
-        enc = encode(meta, list(layers_kv))
-        wrote = False
-        for t in missing:
-            try:
-                wrote |= t.put_encoded(meta.key, enc)
-            except StoreError as e:
-                self._count("tier_write_errors")
-                log.warning("%s: write of %s skipped: %s", t.uri, meta.key, e)
+        wrote = self._write_tiers(missing, meta.key, encode(meta, list(layers_kv)))
         self._count("puts" if wrote else "put_skipped")
         return wrote
 
@@ -99,14 +168,32 @@ class TieredStore(KVStore):
         self._count("misses")
         return None
 
-    def get_layer(self, key: str, i: int) -> StoredLayer | None:
+    def fetch_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | Miss]:
+        """Layer i of each key from the first tier that has it, asking each tier once for all the
+        keys still missing (no promotion). A key no tier has gets the most telling reason of its
+        tiers' misses: "error" when a tier could not be asked (the entry may exist there), else
+        "corrupt", else "unsupported", else "absent". Each tier counts its own misses too."""
+        i = check_layer_index(i)
+        out: list = [None] * len(keys)
+        reasons: list[set[str]] = [set() for _ in keys]
+        todo = list(range(len(keys)))
         for t in self.tiers:
-            layer = t.get_layer(key, i)
-            if layer is not None:
-                self._count("hits")
-                return layer
-        self._count("misses")
-        return None
+            if not todo:
+                break
+            got = t.fetch_layers([keys[j] for j in todo], i)
+            left = []
+            for j, r in zip(todo, got):
+                if isinstance(r, Miss):
+                    reasons[j].add(r.reason)
+                    left.append(j)
+                else:
+                    out[j] = r
+            todo = left
+        for j in todo:
+            out[j] = Miss(next(r for r in _REASON_ORDER if r in reasons[j]))
+        self._count("hits", len(keys) - len(todo))
+        self._count("misses", len(todo))
+        return out
 
     def get_encoded(self, key: str) -> EncodedEntry | None:
         for j, t in enumerate(self.tiers):
@@ -186,7 +273,7 @@ class TieredStore(KVStore):
         with self._lock:
             c = dict(self._counts)
         out["hits"], out["misses"] = c.pop("hits", 0), c.pop("misses", 0)  # of the whole stack
-        for name in ("entries", "bytes", "corruptions", "evictions", "errors"):
+        for name in ("entries", "bytes", "corruptions", "unsupported", "evictions", "errors"):
             out[name] = sum(int(s.get(name) or 0) for s in tiers)
         out.update(c)
         return out

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import struct
+import zlib
+
 import torch
 
 from ragkv.keys import chunk_key
@@ -44,3 +48,14 @@ def make_entry(
         v = torch.randn(heads, n_tokens, dim, generator=g)
         layers.append((k.to(dt), v.to(dt)))
     return meta, layers
+
+
+def future_version(header: bytes, version: int = 2) -> bytes:
+    """The header as a newer writer would write it: prefix and JSON both say ``version`` (same
+    length, valid crc, so the entry's byte layout is unchanged)."""
+    magic, _ver, n, _ = struct.unpack_from("<8sIII", header)
+    doc = json.loads(header[20 : 20 + n])
+    doc["version"] = version
+    js = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    assert len(js) == n
+    return struct.pack("<8sIII", magic, version, n, zlib.crc32(js)) + js + header[20 + n :]

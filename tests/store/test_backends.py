@@ -31,6 +31,22 @@ def store(request, tmp_path):
     s.close()
 
 
+def assert_within_storage_error(got, ref, storage):
+    """Each tensor against its own magnitude and the storage dtype's known error bound: exact for
+    the model dtype; round-to-nearest relative error (2^-11 fp16, 2^-8 bf16) per element; int8
+    absmax: half a step, scale/2 <= max|ref|/254, per element (the scale's row or channel max is at
+    most the tensor's)."""
+    err = (got - ref).abs()
+    if storage == "float32":
+        assert torch.equal(got, ref)
+    elif storage in ("float16", "bfloat16"):
+        u = {"float16": 2.0**-11, "bfloat16": 2.0**-8}[storage]
+        assert (err <= u * ref.abs()).all(), f"{int((err > u * ref.abs()).sum())} elements off"
+    else:
+        bound = ref.abs().max().item() / 254 * (1 + 1e-5)
+        assert err.max().item() <= bound, (err.max().item(), bound)
+
+
 @pytest.mark.parametrize("storage,axis", [("float32", None), ("bfloat16", None), ("int8", "auto")])
 def test_put_get_roundtrip(store, storage, axis):
     meta, layers = make_entry(storage=storage, axis=axis)
@@ -42,9 +58,9 @@ def test_put_get_roundtrip(store, storage, axis):
     got = store.get(meta.key)
     assert got.meta == meta and len(got.layers) == meta.num_layers
     for (k, v), (gk, gv) in zip(layers, got.layers):
-        assert gk.dtype == torch.float32 and gk.shape == k.shape
-        tol = 0 if storage == "float32" else 0.05 * k.abs().max().item()
-        assert (gk - k).abs().max() <= tol and (gv - v).abs().max() <= tol * 5
+        assert gk.dtype == gv.dtype == torch.float32 and gk.shape == k.shape and gv.shape == v.shape
+        assert_within_storage_error(gk, k, storage)
+        assert_within_storage_error(gv, v, storage)
     lay = store.get_layer(meta.key, 2)
     assert lay.k.dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[storage]
     # tensors handed out are the caller's: writing them does not change the store
@@ -272,3 +288,22 @@ def test_redis_stats_count_entries_and_bytes(redis_store):
     enc_bytes = sum(len(e.header) + sum(len(b) for b in e.blobs)
                     for e in (redis_store.get_encoded(m.key) for m in metas))
     assert st["entries"] == 2 and st["bytes"] == enc_bytes
+
+
+BAD_KEYS = ["../x", "/etc/passwd", "a/../../b", "..", ".", ".hidden", "-rf", "x\x00y", "k" * 201, "",
+            "a b", "ok\n", "a*", "{k}", "C:\\x"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_disk_refuses_keys_outside_the_alphabet(tmp_path, key):
+    s = DiskStore(tmp_path / "kv", fsync=False)
+    meta, layers = make_entry()
+    s.put(meta, layers)
+    enc = encode(meta, layers)
+    for op in (lambda: s.contains(key), lambda: s.get(key), lambda: s.get_meta(key), lambda: s.delete(key),
+               lambda: s.get_layer(key, 0), lambda: s.get_layers([meta.key, key], 0),
+               lambda: s.put_encoded(key, enc), lambda: s.path(key)):
+        with pytest.raises(ValueError, match="invalid store key"):
+            op()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]  # nothing written outside the root
+    assert list(s.keys()) == [meta.key] and s.get(meta.key) is not None

@@ -52,7 +52,7 @@ def test_redis_ttl_applies_to_every_key(redis_server, redis_ns):
     s = open_store(f"{redis_server.url}?ttl=100&namespace={redis_ns}")
     meta, layers = make_entry()
     s.put(meta, layers)
-    names = list(s.client.scan_iter(match=f"{redis_ns}*"))
+    names = list(s.client.scan_iter(match=f"ragkv:{redis_ns}/*"))
     assert len(names) == meta.num_layers + 1
     assert all(0 < s.client.ttl(n) <= 100 for n in names)
     assert all(b"{" + meta.key.encode() + b"}" in n for n in names)  # one hash slot
