@@ -7,10 +7,8 @@ import torch
 from blend_testlib import TEMPLATE, make_prompt
 
 from ragkv import models
-from ragkv.adapter import generation_kwargs
 from ragkv.blend import BlendConfig
 from ragkv.integrations.hf import BlendedGenerator
-from ragkv.policy import StorageFormat
 from ragkv.store.memory import MemoryStore
 
 
@@ -47,6 +45,8 @@ def test_sampling_parameters_are_never_overwritten(gen, monkeypatch):
 
 
 def test_generation_kwargs_defaults():
+    from ragkv.adapter import generation_kwargs
+
     model = models.tiny_model("llama")
     assert generation_kwargs(model)["do_sample"] is False
     kw = generation_kwargs(model, None, temperature=0.5, max_new_tokens=7)
@@ -60,6 +60,8 @@ def test_a_missing_question_is_a_clear_error(gen, question):
 
 
 def test_storage_format_is_validated_up_front():
+    from ragkv.policy import StorageFormat
+
     with pytest.raises(ValueError, match="storage dtype 'int4'"):
         StorageFormat("int4")
     with pytest.raises(ValueError, match="only meaningful with storage dtype int8"):

@@ -80,10 +80,11 @@ def test_ratio_one_equals_full_prefill_under_each_attention_implementation(attn)
     prompt = make_prompt(seed=2)
     eng = engine(model)
     eng.prefill_prompt(prompt)
-    for ratio in (1.0, 0.5):
-        res = eng.prefill_prompt(prompt, ratio=ratio)
-        if ratio == 1.0:
-            torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
+    res = eng.prefill_prompt(prompt, ratio=1.0)
+    torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
+    half = eng.prefill_prompt(prompt, ratio=0.5)  # a real blend: not full prefill, half the chunk tokens
+    assert half.stats.recomputed_tokens == math.ceil(0.5 * sum(map(len, prompt.chunk_ids)))
+    assert (half.logits - res.logits).abs().max() > 1e-4
     with torch.no_grad():  # both implementations blend to the same result
         other = models.tiny_model("llama", attn_implementation="sdpa" if attn == "eager" else "eager")
     res_other = engine(other).prefill_prompt(prompt, ratio=0.5)
@@ -286,32 +287,48 @@ def test_bad_inputs_are_clear_errors():
         eng.prefill_prompt(make_prompt(sizes=(1500, 700)))
 
 
-def test_missing_and_corrupt_entries_are_recomputed_and_written_back():
+def test_missing_and_corrupt_entries_are_recomputed_and_written_back(tmp_path):
+    from ragkv.store.disk import DiskStore
+
     model = models.tiny_model("llama")
     prompt = make_prompt(seed=13)
-    eng = engine(model)
+    store = DiskStore(tmp_path / "kv", fsync=False)
+    eng = BlendEngine(model, None, store, config(), template=TEMPLATE)
     first = eng.prefill_prompt(prompt, ratio=1.0)
     assert first.stats.misses == 3 and first.stats.hits == 0
     second = eng.prefill_prompt(prompt, ratio=1.0)
     assert second.stats.misses == 0 and second.stats.hits == 3
     torch.testing.assert_close(first.logits, second.logits, atol=1e-5, rtol=0)
+    # damage chunk 1's header (lookup: a miss) and flip a byte of chunk 2's last layer (found mid-request)
+    k1, k2 = (eng.chunk_key(ids) for ids in prompt.chunk_ids[1:])
+    data = bytearray(store.path(k1).read_bytes())
+    data[40] ^= 0xFF
+    store.path(k1).write_bytes(bytes(data))
+    data = bytearray(store.path(k2).read_bytes())
+    data[-100] ^= 0xFF
+    store.path(k2).write_bytes(bytes(data))
+    third = eng.prefill_prompt(prompt, ratio=1.0)
+    assert (third.stats.hits, third.stats.misses, third.stats.corrupt) == (2, 1, 1)
+    torch.testing.assert_close(third.logits, first.logits, atol=1e-5, rtol=0)
+    assert store.get(k1) is not None and store.get(k2) is not None  # both written back, intact
+    assert eng.prefill_prompt(prompt, ratio=1.0).stats.corrupt == 0
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_engine_runs_with_either_kernel_backend(backend):
+@pytest.mark.parametrize("selector", ["deviation", "query"])
+def test_engine_gives_the_same_blend_with_either_kernel_backend(selector):
     pytest.importorskip("triton")
     model = models.tiny_model("llama")
     prompt = make_prompt(seed=17, sizes=(9, 6))
-    eng = engine(model)
+    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=selector), template=TEMPLATE)
     eng.prefill_prompt(prompt)
-    ref = full_logits(model, prompt)
-    with ops.use_backend(backend):
-        res = eng.prefill_prompt(prompt, ratio=1.0)
-        naive = eng.prefill_prompt(prompt, ratio=0.3)
-    torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=0)
-    with ops.use_backend("torch"):
-        naive_torch = eng.prefill_prompt(prompt, ratio=0.3)
-    torch.testing.assert_close(naive.logits, naive_torch.logits, atol=1e-4, rtol=0)
+    out = {}
+    for backend in ("torch", "triton"):
+        with ops.use_backend(backend):
+            out[backend] = (eng.prefill_prompt(prompt, ratio=1.0), eng.prefill_prompt(prompt, ratio=0.3))
+    for backend, (full, _) in out.items():
+        torch.testing.assert_close(full.logits, full_logits(model, prompt), atol=1e-4, rtol=0, msg=backend)
+    torch.testing.assert_close(out["triton"][1].logits, out["torch"][1].logits, atol=1e-4, rtol=0)
+    assert out["triton"][1].selected.tolist() == out["torch"][1].selected.tolist()
 
 
 @pytest.mark.slow
@@ -393,15 +410,23 @@ def test_auto_ratio_recomputes_what_the_load_hides_never_below_the_floor():
     assert ctl.choose(100, 1e9, 200, 10, floor=0.15) == 0.15  # a fast tier: the floor
     assert ctl.choose(10**9, 1.0, 200, 10, floor=0.15) == 1.0
 
+    # a measured slope <= 0 (timer noise on a tiny model): the floor, not "recompute everything"
+    assert RatioController(LayerCost(c0=0.01, c1=0.0)).choose(1100, 1e5, 200, 10, floor=0.2) == 0.2
+
+    # the engine: measured store bandwidth against a known layer cost (no timing in the assertions:
+    # a memory read of 3 layers takes far less than 27 s, a slow store's at least 3 x 0.05 s)
     model = models.tiny_model("llama")
     prompt = make_prompt(seed=29, sizes=(60, 60, 60))
     store = MemoryStore()
     eng = BlendEngine(model, None, store, template=TEMPLATE)
     eng.prefill_prompt(prompt)
+    eng._controller = RatioController(LayerCost(c0=0.0, c1=1.0))  # 1 s per recomputed token: nothing hides
     fast = eng.prefill_prompt(prompt, ratio="auto")
     assert fast.stats.ratio == 0.15 and fast.stats.recomputed_tokens == math.ceil(0.15 * 180)
-    slow = BlendEngine(model, None, SlowStore(store, 0.05), template=TEMPLATE).prefill_prompt(prompt, ratio="auto")
-    assert slow.stats.ratio > 0.5 and slow.stats.hits == 3
+    slow = BlendEngine(model, None, SlowStore(store, 0.05), config(ratio_floor=0.2), template=TEMPLATE)
+    slow._controller = RatioController(LayerCost(c0=0.0, c1=1e-5))  # 180 tokens: 1.8 ms < 150 ms of load
+    res = slow.prefill_prompt(prompt, ratio="auto")
+    assert res.stats.ratio == 1.0 and res.stats.hits == 3 and res.stats.recomputed_tokens == 180
     with pytest.raises(ValueError, match="'auto'"):
         eng.prefill_prompt(prompt, ratio="fast")
 
@@ -473,3 +498,37 @@ def test_selectors_are_chosen_by_name_and_unknown_names_are_refused():
         BlendConfig(selector="psychic")
     with pytest.raises(ValueError, match="heads"):
         QuerySelector(heads="median")
+
+
+# ---------------------------------------------------------------- no process-wide side effects
+
+
+def test_transformers_attention_registry_is_left_as_it_was():
+    """A blended request used to replace ALL_ATTENTION_FUNCTIONS['sdpa'] with a wrapper, so a user's
+    later AttentionInterface.register('sdpa', f) was ignored."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=43)
+    eng = engine(model)
+    eng.prefill_prompt(prompt)
+    eng.prefill_prompt(prompt, ratio=0.3)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+    assert model.config._attn_implementation == "sdpa"
+    calls = []
+
+    def mine(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return before(module, *args, **kwargs)
+
+    AttentionInterface.register("sdpa", mine)
+    try:
+        with torch.no_grad():
+            model(torch.tensor([prompt.input_ids]))
+        assert sorted(set(calls)) == list(range(model.config.num_hidden_layers))  # the user's function ran
+        calls.clear()
+        res = eng.prefill_prompt(prompt, ratio=0.3)  # ... and blending still works beside it
+        torch.testing.assert_close(res.logits, eng.prefill_prompt(prompt, ratio=0.3).logits)
+    finally:
+        AttentionInterface.register("sdpa", before)

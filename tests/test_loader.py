@@ -307,3 +307,39 @@ def test_skipping_layers_never_fills_the_prefetch_window():
         got = loader.layer(4)
         assert not loader.timed_out and not any(isinstance(x, Miss) for x in got)
         assert 3 not in counting.reads  # a skipped layer is not read at all once the caller passed it
+
+
+class HangingStore:
+    """Layer reads hang (until released) and writes are recorded: a store that stopped answering."""
+
+    def __init__(self, inner):
+        self.inner, self.release, self.writes = inner, threading.Event(), []
+
+    def fetch_layers(self, keys, i):
+        self.release.wait(30)
+        return self.inner.fetch_layers(keys, i)
+
+    def put_encoded(self, key, enc):
+        self.writes.append(key)
+        self.release.wait(30)
+        return self.inner.put_encoded(key, enc)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_after_a_load_timeout_the_request_recomputes_and_writes_nothing_back():
+    """Write-back used to call the same stuck store, with no timeout, after the loader gave up on it."""
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=8, sizes=SIZES)
+    store = MemoryStore()
+    ref = healthy_run(model, prompt, store)
+    hanging = HangingStore(store)
+    config = BlendConfig(pipelined=True, load_timeout_s=0.5, selector=DeviationSelector(check_layers=(1,)))
+    eng = BlendEngine(model, None, hanging, config, template=TEMPLATE)
+    try:
+        res = eng.prefill_prompt(prompt)
+    finally:
+        hanging.release.set()
+    assert res.stats.timeouts >= 1 and hanging.writes == []
+    torch.testing.assert_close(res.logits, ref.logits, atol=1e-4, rtol=0)

@@ -303,3 +303,51 @@ def test_planning_shows_progress_before_any_compute(tiny_smollm2, capsys):
     precompute(BlendEngine(model, tok, open_store("memory")), texts=[text], chunk_tokens=64, progress=True)
     err = capsys.readouterr().err
     assert "planning" in err and err.index("planning") < err.index("precompute")
+
+
+def test_rerun_fills_every_tier_that_lacks_an_entry(tiny_smollm2, tmp_path):
+    """After one tier lost its entries (a Redis restarted empty, a wiped cache disk), a rerun used to
+    skip everything because *some* tier held each chunk; a truncated file also counted as present."""
+    model, tok = tiny_smollm2
+    texts = [f"Document {i} tells the story of item {i} in a few words." for i in range(6)]
+    uri = f"disk://{tmp_path / 'a'},disk://{tmp_path / 'b'}"
+    with open_store(uri) as store:
+        first = precompute(BlendEngine(model, tok, store), texts=texts)
+        assert first.new == 6
+    with open_store(f"disk://{tmp_path / 'b'}") as b:  # tier b loses everything ...
+        b.clear()
+    with open_store(f"disk://{tmp_path / 'a'}") as a:  # ... and one file of tier a is cut short
+        victim = sorted(a.keys())[0]
+        p = a.path(victim)
+        p.write_bytes(p.read_bytes()[:100])
+    with open_store(uri) as store:
+        again = precompute(BlendEngine(model, tok, store), texts=texts)
+        assert (again.skipped, again.repaired, again.new, again.failed) == (0, 5, 1, 0)
+        keys = list(store.keys())
+        assert len(keys) == 6 and all(not store.missing_tiers(k) for k in keys)
+        assert precompute(BlendEngine(model, tok, store), texts=texts).skipped == 6
+
+
+def test_unreadable_subdirectory_is_reported(tmp_path, monkeypatch):
+    (tmp_path / "ok.md").write_text("A readable document.")
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "hidden.md").write_text("Nobody may read this.")
+    (tmp_path / "secret").chmod(0)
+    if os.access(tmp_path / "secret", os.R_OK):  # root reads anything: make os.walk meet the error it would
+        real = os.walk
+
+        def walk(top, onerror=None, **kw):
+            for root, dirs, files in real(top, onerror=onerror, **kw):
+                if root.endswith("secret"):
+                    onerror(PermissionError(13, "Permission denied", root))
+                    continue
+                yield root, dirs, files
+
+        monkeypatch.setattr(os, "walk", walk)
+    try:
+        report = Report()
+        docs = read_documents([tmp_path], [], report)
+    finally:
+        (tmp_path / "secret").chmod(0o700)
+    assert [Path(d).name for d, _ in docs] == ["ok.md"]
+    assert any(f["path"].endswith("secret") and "unreadable directory" in f["reason"] for f in report.files_skipped)

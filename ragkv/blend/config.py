@@ -25,12 +25,15 @@ class BlendConfig:
     """ratio: fraction of the reused (chunk) tokens recomputed, or "auto" (the loading controller
     recomputes what the store's load hides, never below ``ratio_floor``; ragkv.controller).
     selector: which tokens are recomputed, a ``Selector`` or a registered name (ragkv.blend.select).
-    pipelined: read layer i+1 from the store while layer i computes (ragkv.loader)."""
+    pipelined: read layer i+1 from the store while layer i computes (ragkv.loader); a layer that
+    does not arrive within ``load_timeout_s`` is recomputed, and the request writes nothing back to
+    that store."""
 
     ratio: float | str = DEFAULT_RATIO
     ratio_floor: float = DEFAULT_RATIO_FLOOR
     selector: Selector | str = "deviation"
     pipelined: bool = True
+    load_timeout_s: float = 10.0
 
     def __post_init__(self):
         object.__setattr__(self, "ratio", check_ratio(self.ratio))
@@ -38,6 +41,8 @@ class BlendConfig:
         if floor == "auto":
             raise ValueError("ratio_floor must be a number in [0, 1], got 'auto'")
         object.__setattr__(self, "selector", make_selector(self.selector))
+        if not self.load_timeout_s > 0:
+            raise ValueError(f"load_timeout_s must be > 0, got {self.load_timeout_s}")
         sel = self.selector
         if isinstance(sel, DeviationSelector) and sel.first_ratio is not None:
             low = 0.0 if self.ratio == "auto" else self.ratio

@@ -86,12 +86,16 @@ class BlendRequest:
         if self._loader is None:
             cfg, a = self.engine.config, self.adapter
             self._loader = self._stack.enter_context(
-                make_loader(cfg.pipelined, self.engine.store, self.from_store, range(first, a.num_layers)))
+                make_loader(cfg.pipelined, self.engine.store, self.from_store, range(first, a.num_layers),
+                            timeout_s=cfg.load_timeout_s))
         tw = time.perf_counter()
         loaded = dict(zip(self._loader.keys, self._loader.layer(li)))
         self.stats.t_load += time.perf_counter() - tw
         if self._loader.timed_out:
             self.write_back = False
+        for seg in self.segments:  # an entry that failed is recomputed now, needed in this layer or not
+            if seg.layers is None and isinstance(loaded.get(seg.key), Miss):
+                self._recover(seg, loaded[seg.key])
         return loaded
 
     def _probe(self, observe) -> None:
@@ -161,10 +165,16 @@ class BlendRequest:
             tl = time.perf_counter()
             got = _read_layer(self.engine.store, [seg.key], li)[0]
             self.stats.t_load += time.perf_counter() - tl
-        if isinstance(got, Miss):  # failed since the lookup: compute it now
-            setattr(self.stats, _COUNTERS[got.reason], getattr(self.stats, _COUNTERS[got.reason]) + 1)
-            if got.reason in ("error", "timeout"):
-                self.write_back = False  # a failing or stuck store: do not wait on it again
-            self.engine.compute_and_store([seg], write_back=self.write_back)
+        if isinstance(got, Miss):
+            self._recover(seg, got)
             return seg.layers[li]
         return got
+
+    def _recover(self, seg: Segment, miss: Miss) -> None:
+        """An entry that failed since the lookup: counted by cause and computed now for this request;
+        written back unless the store itself is failing or stuck."""
+        counter = _COUNTERS[miss.reason]
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        if miss.reason in ("error", "timeout"):
+            self.write_back = False  # do not wait on a failing store again
+        self.engine.compute_and_store([seg], write_back=self.write_back)

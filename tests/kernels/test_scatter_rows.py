@@ -47,3 +47,24 @@ def test_empty_index_is_a_no_op():
     ref = dst.clone()
     scatter_rows_triton(dst, torch.empty(2, 0, 64, device=DEVICE), torch.empty(0, dtype=torch.long, device=DEVICE))
     assert torch.equal(dst, ref)
+
+
+@pytest.mark.parametrize("bad", [[0, 5], [-1, 2], [7, 100]])
+def test_out_of_bounds_index_raises_on_both_backends_and_writes_nothing(bad):
+    """The reference raised (or wrapped a negative index) while the kernel wrote outside dst."""
+    buf = torch.zeros(2, 2, 12, 64, device=DEVICE)
+    dst = buf[0, :, :5]  # [2, 5, 64] inside a larger buffer: an index of 5+ would land in buf
+    src = torch.ones(2, 2, 64, device=DEVICE)
+    index = torch.tensor(bad, device=DEVICE)
+    for fn in (scatter_rows_torch, *((scatter_rows_triton,) if _triton_ok() else ())):
+        with pytest.raises(IndexError, match=r"must lie in \[0, 5\)"):
+            fn(dst, src, index)
+        assert buf.abs().sum() == 0
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
