@@ -210,5 +210,6 @@ def blend_attention_sdpa(q, k, v, q_pos, k_pos=None, sm_scale: float | None = No
             qq[None], k[None, :, :kv_len], v[None, :, :kv_len], attn_mask=visible.repeat(group, 1)[None, None],
             scale=sm_scale,
         )[0]
-        out[:, idx] = o.view(Hq, m, D).nan_to_num(0.0)  # a query with no visible key -> zeros, as the kernel
+        o = o.view(Hq, m, D)
+        out[:, idx] = o if int(pos.min()) >= 0 else o.nan_to_num(0.0)  # a query seeing no key -> zeros
     return out

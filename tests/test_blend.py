@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ragkv import models
 from ragkv.adapter import ModelAdapter, UnsupportedModelError
-from ragkv.blend import BlendConfig, BlendEngine, DeviationSelector, QuerySelector
+from ragkv.blend import BlendConfig, BlendEngine, DeviationSelector, HybridSelector, QuerySelector
 from ragkv.blend import attention as attention_mod
 from ragkv.blend import cache as cache_mod
 from ragkv.kernels import dispatch as ops
@@ -435,7 +435,9 @@ def test_auto_ratio_recomputes_what_the_load_hides_never_below_the_floor():
 
 
 @pytest.mark.parametrize("selector", [DeviationSelector(), DeviationSelector(check_layers=(2,), signal="kv"),
-                                      QuerySelector(), QuerySelector(rows=2, heads="max", smooth=1, chunk_starts=1)])
+                                      QuerySelector(), QuerySelector(rows=2, heads="max", smooth=1, chunk_starts=1),
+                                      QuerySelector(depth=2, skip_layers=1), HybridSelector(),
+                                      HybridSelector(widen=3.0, check_layer=1, fuse="deviation")])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
     model = models.tiny_model("llama", attn_implementation=attn)
@@ -494,7 +496,7 @@ def test_query_probe_reads_each_stored_layer_once(monkeypatch):
 
 def test_selectors_are_chosen_by_name_and_unknown_names_are_refused():
     assert isinstance(BlendConfig(selector="query").selector, QuerySelector)
-    with pytest.raises(ValueError, match="unknown selector 'psychic'; valid: deviation, query"):
+    with pytest.raises(ValueError, match="unknown selector 'psychic'; valid: deviation, query, hybrid"):
         BlendConfig(selector="psychic")
     with pytest.raises(ValueError, match="heads"):
         QuerySelector(heads="median")

@@ -23,14 +23,29 @@ from ragkv.kernels import dispatch as ops
 
 
 def position_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                       ragkv_q_pos=None, ragkv_capture=None, **kwargs):
+                       ragkv_q_pos=None, **kwargs):
     """HF attention-function signature; query [1, Hq, n, D], key/value [1, Hkv, T, D] -> ([1, n, Hq, D], None):
-    row i attends to keys at positions <= ragkv_q_pos[i] (the fused K/V holds position j at row j).
-    ``ragkv_capture(layer, q [Hq, n, D], k [Hkv, T, D], scale)``, if given, sees the queries and keys
-    first (the query-aware selectors' probe reads the question's attention there)."""
-    if ragkv_capture is not None:
-        ragkv_capture(module.layer_idx, query[0], key[0], scaling)
+    row i attends to keys at positions <= ragkv_q_pos[i] (the fused K/V holds position j at row j)."""
     out = ops.blend_attention(query[0], key[0], value[0], ragkv_q_pos, sm_scale=scaling)  # [Hq, n, D]
+    return out.transpose(0, 1).unsqueeze(0), None
+
+
+def probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                    ragkv_q_pos=None, ragkv_capture=None, **kwargs):
+    """The probe's attention: a few rows (the suffix) over the whole fused K/V with the probabilities
+    made explicit, handed to ``ragkv_capture(layer, probs [Hq, n, T] fp32)`` before they weight the
+    values. Causal by position like ``position_attention``; cheap because n is small."""
+    q, k, v = query[0], key[0], value[0]  # [Hq, n, D], [Hkv, T, D]
+    hq, n, d = q.shape
+    hkv, t = k.shape[0], k.shape[1]
+    g = hq // hkv
+    scale = d**-0.5 if scaling is None else scaling
+    # products in the model's dtype (bf16 runs on the CPU's bf16 units, fp32 accumulation), softmax in fp32
+    logits = torch.bmm(q.reshape(hkv, g * n, d), k.transpose(1, 2)).float() * scale  # [Hkv, g*n, T]
+    hidden = torch.arange(t, device=q.device)[None, :] > ragkv_q_pos.repeat(g)[:, None]
+    probs = logits.masked_fill_(hidden, float("-inf")).softmax(-1)
+    ragkv_capture(module.layer_idx, probs.view(hq, n, t))
+    out = torch.bmm(probs.to(v.dtype), v).view(hq, n, d)
     return out.transpose(0, 1).unsqueeze(0), None
 
 
@@ -56,7 +71,7 @@ class LayerCalls:
 
     def __call__(self, active: torch.Tensor, capture=None) -> dict:
         if capture is not None:  # a probe: ragkv's attention under every implementation (eager included)
-            return {"attention": position_attention, "ragkv_q_pos": active, "ragkv_capture": capture}
+            return {"attention": probe_attention, "ragkv_q_pos": active, "ragkv_capture": capture}
         if self.is_causal and active.numel() == self.total:  # every position: a plain causal prefill
             return {}
         if not self.eager:

@@ -45,7 +45,8 @@ class BlendRequest:
         a = self.adapter = engine.adapter
         self.P, self.C, self.T = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids)), prompt.num_tokens
         chunk_rows = [(s.start - self.P, len(s.ids)) for s in segments if not s.is_prefix]
-        self.selection = SelectionRequest(self.P, self.C, self.T, tuple(chunk_rows), ratio, a.num_layers)
+        self.selection = SelectionRequest(self.P, self.C, self.T, tuple(chunk_rows), ratio, a.num_layers,
+                                          a.num_kv_heads)
         self.positions = torch.arange(self.T, device=a.device)
         self.cache = FusedCache(a, self.T)
         self.calls = LayerCalls(a, self.T)
@@ -98,14 +99,14 @@ class BlendRequest:
                 self._recover(seg, loaded[seg.key])
         return loaded
 
-    def _probe(self, observe) -> None:
-        """The suffix alone through every layer over the fused stored K/V (stale: not yet corrected),
-        ``observe(layer, q, k, scale)`` seeing its queries and the fused keys in each layer. The fused
+    def _probe(self, observe, layers: int | None = None) -> None:
+        """The suffix alone through the first ``layers`` layers (None: all) over the fused stored K/V
+        (stale: not yet corrected), ``observe(layer, probs)`` seeing its attention in each. The fused
         layers are kept for the pass that follows (the store is read once)."""
         a, suffix = self.adapter, self.positions[self.P + self.C :]
         self._set_active(suffix)
         hidden = a.embed(self.input_ids[:, suffix])
-        for li in range(a.num_layers):
+        for li in range(a.num_layers if layers is None else layers):
             self._fuse(li, self._take(li, 0), checks={})
             self.cache.active = suffix
             hidden = a.run_layer(li, hidden, suffix, self.cache, **self.calls(suffix, capture=observe))
@@ -149,13 +150,16 @@ class BlendRequest:
 
     def _set_active(self, rows: torch.Tensor) -> None:
         self.active = rows
-        self._covered = torch.zeros(self.T, dtype=torch.bool, device=rows.device)
-        self._covered[rows] = True
+        covered = torch.zeros(self.T, dtype=torch.bool, device=rows.device)
+        covered[rows] = True
+        # segments whose every token is recomputed in the layers this active set runs (read once here,
+        # not per layer: a host sync per segment and layer costs more than the check)
+        self._recomputed = {id(seg) for seg in self.segments if bool(covered[seg.start : seg.end].all())}
 
     def _needs_stored(self, seg: Segment, li: int, checks: dict) -> bool:
         """A segment's stored K/V are read in layer li unless all of its tokens are recomputed there
         and none is scored against them."""
-        return not bool(self._covered[seg.start : seg.end].all()) or (li in checks and not seg.is_prefix)
+        return id(seg) not in self._recomputed or (li in checks and not seg.is_prefix)
 
     def _stored(self, seg: Segment, li: int, loaded: dict | None) -> StoredLayer | tuple:
         if seg.layers is not None:  # computed during this request

@@ -41,9 +41,10 @@ class SelectionRequest:
     chunk_bounds: tuple[tuple[int, int], ...]  # (first row, rows) of each chunk, rows relative to P
     ratio: float  # fraction of chunk rows recomputed after selection (resolved, not "auto")
     num_layers: int
+    kv_heads: int = 1
     # probe(observe): runs the suffix alone through every layer over the fused stored K/V, calling
-    # observe(layer, q [Hq, S, D], k [Hkv, T, D], scale) in each; the engine keeps what it loaded
-    probe: Callable | None = field(default=None, compare=False, repr=False)
+    # observe(layer, probs [Hq, S, T]) with its attention in each; the engine keeps what it loaded
+    probe: Callable | None = field(default=None, compare=False, repr=False)  # probe(observe, layers=None)
 
     @property
     def suffix_len(self) -> int:
@@ -144,14 +145,17 @@ class QuerySelector(Selector):
 
     rows: use the last ``rows`` suffix queries (None: all of them). heads: "mean" over query heads,
     or "max" within each KV group then mean. skip_layers: ignore the first layers' attention (it is
-    mostly positional). smooth: also credit a token with its neighbours' score within this distance
-    (max-pooling). chunk_starts: ignore the first tokens of every chunk (attention sinks score high
-    whatever the question). normalize: each layer's attention over the chunks sums to 1."""
+    mostly positional). depth: run the probe through the first ``depth`` layers only (None: all;
+    a shallower probe costs less, the layers it skips are fused by the pass that follows).
+    smooth: also credit a token with its neighbours' score within this distance (max-pooling).
+    chunk_starts: ignore the first tokens of every chunk (attention sinks score high whatever the
+    question). normalize: each layer's attention over the chunks sums to 1."""
 
     name: ClassVar[str] = "query"
     rows: int | None = None
     heads: str = "mean"
     skip_layers: int = 0
+    depth: int | None = None
     smooth: int = 0
     chunk_starts: int = 0
     normalize: bool = True
@@ -164,10 +168,14 @@ class QuerySelector(Selector):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.rows is not None and self.rows < 1:
             raise ValueError(f"rows must be >= 1 or None, got {self.rows}")
+        if self.depth is not None and self.depth < 1:
+            raise ValueError(f"depth must be >= 1 or None, got {self.depth}")
 
     def check(self, num_layers: int) -> None:
-        if self.skip_layers >= num_layers:
-            raise ValueError(f"skip_layers {self.skip_layers} leaves no layer of {num_layers} to score")
+        depth = num_layers if self.depth is None else self.depth
+        if not self.skip_layers < depth <= num_layers:
+            raise ValueError(f"the probe scores layers [{self.skip_layers}, {depth}) of {num_layers}: "
+                             "need skip_layers < depth <= the model's layers")
 
     def schedule(self, req: SelectionRequest) -> Schedule:
         if req.ratio == 0.0 or req.chunk_len == 0:
@@ -185,24 +193,19 @@ class QuerySelector(Selector):
         total: list[torch.Tensor] = []
         P, C = req.prefix_len, req.chunk_len
 
-        def observe(layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
+        def observe(layer: int, probs: torch.Tensor) -> None:  # probs [Hq, S, T], heads of a KV group adjacent
             if layer < self.skip_layers:
                 return
-            hq, s, d = q.shape
-            hkv, t = k.shape[0], k.shape[1]
+            hq, s, _ = probs.shape
             rows = s if self.rows is None else min(self.rows, s)
-            qq = q[:, s - rows :].float().reshape(hkv, (hq // hkv) * rows, d)  # heads of one KV group stacked
-            logits = torch.bmm(qq, k.float().transpose(1, 2)) * scale  # [Hkv, g*rows, T]
-            q_pos = torch.arange(t - rows, t, device=q.device).repeat(hq // hkv)  # the suffix ends the prompt
-            logits.masked_fill_(torch.arange(t, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
-            probs = logits.softmax(-1)[:, :, P : P + C].reshape(hkv, hq // hkv, rows, C)
-            per_head = probs.mean(2)  # [Hkv, g, C]
-            att = per_head.amax(1).mean(0) if self.heads == "max" else per_head.mean((0, 1))
+            per_head = probs[:, s - rows :, P : P + C].mean(1)  # [Hq, C]
+            groups = per_head.view(req.kv_heads, hq // req.kv_heads, C)
+            att = groups.amax(1).mean(0) if self.heads == "max" else per_head.mean(0)
             if self.normalize:
                 att = att / att.sum().clamp_min(1e-12)
             total.append(att)
 
-        req.probe(observe)
+        req.probe(observe, self.depth)
         score = torch.stack(total).sum(0)
         if self.chunk_starts:
             for first, n in req.chunk_bounds:
@@ -213,9 +216,60 @@ class QuerySelector(Selector):
         return score
 
 
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Rank of each value, 0 = smallest (ties by position)."""
+    out = torch.empty_like(x, dtype=torch.float32)
+    out[torch.argsort(x)] = torch.arange(x.numel(), dtype=torch.float32, device=x.device)
+    return out
+
+
+@dataclass(frozen=True)
+class HybridSelector(Selector):
+    """Both signals: the query probe preselects ``widen`` x the budget of chunk tokens (recomputed
+    from layer 0), then at ``check_layer`` the budget is kept by the fused rank of the question's
+    attention and the V deviation measured there (``fuse="rank"``), or by the deviation alone
+    (``fuse="deviation"``)."""
+
+    name: ClassVar[str] = "hybrid"
+    widen: float = 2.0
+    check_layer: int = 2
+    fuse: str = "rank"
+    query: QuerySelector = field(default_factory=QuerySelector)
+    deviation: DeviationSelector = field(default_factory=DeviationSelector)
+
+    def __post_init__(self):
+        if self.widen < 1.0:
+            raise ValueError(f"widen must be >= 1, got {self.widen}")
+        if self.fuse not in ("rank", "deviation"):
+            raise ValueError(f"fuse must be 'rank' or 'deviation', got {self.fuse!r}")
+
+    def check(self, num_layers: int) -> None:
+        self.query.check(num_layers)
+        if not 0 <= self.check_layer < num_layers:
+            raise ValueError(f"check_layer {self.check_layer} outside the model's {num_layers} layers")
+
+    def schedule(self, req: SelectionRequest) -> Schedule:
+        if req.ratio == 0.0 or req.chunk_len == 0:
+            return Schedule(torch.arange(0), {})
+        n = req.keep(req.ratio)
+        wide = min(req.chunk_len, math.ceil(self.widen * n))
+        if n == req.chunk_len:
+            return Schedule(torch.arange(req.chunk_len), {})
+        q = self.query.scores(req)
+        start = torch.topk(q, wide).indices.sort().values
+        prior = q[start]  # the active chunk rows at the check layer are exactly `start`, in order
+
+        def score(fresh_k, cached_k, fresh_v, cached_v):
+            dev = self.deviation.score(fresh_k, cached_k, fresh_v, cached_v)
+            return dev if self.fuse == "deviation" else _ranks(dev) + _ranks(prior.to(dev.device))
+
+        return Schedule(start.cpu(), {self.check_layer: n} if wide > n else {}, score)
+
+
 SELECTORS: dict[str, type[Selector]] = {
     DeviationSelector.name: DeviationSelector,
     QuerySelector.name: QuerySelector,
+    HybridSelector.name: HybridSelector,
 }
 
 
