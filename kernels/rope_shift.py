@@ -161,9 +161,11 @@ def rope_shift_torch(
     x = k.to(torch.float32)
     if scale is not None:
         x = x * scale.to(torch.float32)
-    theta = delta.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # [T, R/2]
+    # a chunk shares one delta: the angles (float64) are computed once per distinct delta, then gathered
+    uniq, which = torch.unique(delta, return_inverse=True)
+    theta = uniq.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # [U, R/2]
     emb = torch.cat((theta, theta), dim=-1)
-    cos, sin = emb.cos().to(torch.float32), emb.sin().to(torch.float32)
+    cos, sin = emb.cos().to(torch.float32)[which], emb.sin().to(torch.float32)[which]  # [T, R]
     xr, xp = x[..., : 2 * half], x[..., 2 * half :]
     rotate_half = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
     out = torch.cat((xr * cos + rotate_half * sin, xp), dim=-1)

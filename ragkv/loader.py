@@ -51,7 +51,7 @@ from ragkv.store.values import Miss
 log = logging.getLogger("ragkv.loader")
 
 
-def _read_layer(store, keys: Sequence[str], li: int) -> list[StoredLayer | Miss]:
+def read_layer(store, keys: Sequence[str], li: int) -> list[StoredLayer | Miss]:
     """Layer li of every key, with one batched store call (``fetch_layers``: one Redis round trip,
     misses with their reason) when the store class has it, else key by key with ``get_layer``. A
     failing batch falls back to key by key; an exception for one key is an ``error`` miss."""
@@ -95,7 +95,7 @@ class SequentialLoader:
         if li not in self.layers:
             raise IndexError(f"layer {li} outside {self.layers}")
         t0 = time.perf_counter()
-        out = _read_layer(self.store, self.keys, li)
+        out = read_layer(self.store, self.keys, li)
         self.io_seconds += time.perf_counter() - t0
         self.peak_bytes = max(self.peak_bytes, _nbytes(out))
         return out
@@ -202,7 +202,7 @@ class LayerLoader:
                     self.bytes_in_flight += reserved
                     self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
                 t0 = time.perf_counter()
-                items = [] if self._stop else _read_layer(self.store, self.keys, li)
+                items = [] if self._stop else read_layer(self.store, self.keys, li)
                 self.io_seconds += time.perf_counter() - t0
                 items += [_ERROR] * (len(self.keys) - len(items))
                 nbytes = _nbytes(items)

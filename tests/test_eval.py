@@ -108,7 +108,12 @@ def test_one_bad_question_is_reported_and_the_others_go_on(tmp_path, tiny_smollm
 def test_selectors_side_by_side(tmp_path, tiny_smollm2_dir):
     lighthouse, sourdough = (DOCS / "lighthouse.md").read_text(), (DOCS / "sourdough.md").read_text()
     q = _qfile(tmp_path, [{"question": "Who designed the lighthouse?", "contexts": [sourdough, lighthouse]}])
+    out = tmp_path / "r.json"
     r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--model", str(tiny_smollm2_dir), "--store", "memory",
-                                  "--ratios", "0,0.15,1", "--selectors", "deviation", "--tokens", "4"])
+                                  "--model-dtype", "float32", "--ratios", "0,0.15,1", "--selectors",
+                                  "deviation,query,hybrid", "--tokens", "4", "--json", str(out)])
     assert r.exit_code == 0, r.output
-    assert all(name in r.output for name in ("full", " 0 ", "0.15", " 1 "))
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"full", "0", "1", "deviation@0.15", "query@0.15", "hybrid@0.15"}
+    assert all(name in r.output for name in methods)
+    assert methods["1"]["fidelity"] == 1.0  # ratio 0 and 1 are the same for every selector: run once

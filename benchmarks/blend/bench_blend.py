@@ -1,15 +1,25 @@
-"""TTFT and fidelity of full prefill, naive reuse and CacheBlend at several ratios, with selection
-variants and precompute policies, on SmolLM2-135M (CPU) over real 6 x ~512-token prompts.
+"""Fidelity and TTFT of token-selection strategies against HF full prefill in the same dtype, on the
+benchmark set of 4 genres (corpus.py; sources and build in data/README.md).
 
-    python benchmarks/blend/bench_blend.py --out benchmarks/blend/results [--questions N]
+    python benchmarks/blend/bench_blend.py --split test --dtype bfloat16 \\
+        --methods deviation,query,hybrid,oracle-kv,oracle-mix --ratios 0.05,0.1,0.15,0.3 \\
+        --out benchmarks/blend/results/test-bf16.json
+    python benchmarks/blend/report.py benchmarks/blend/results/*.json     # tables + Pareto plots
 
-Writes results.json, RESULTS.md (tables) and tradeoff.png (TTFT vs fidelity).
+Per prompt: chunk K/V precomputed into a disk store (not timed); HF full prefill (sdpa, the model's own
+forward building its cache) timed ``--repeats`` times (median) and its greedy answer (32 tokens) as the
+reference; per method and ratio: the blended request timed ``--repeats`` times (median, pipelined
+loading from the disk store, page cache warm), its teacher-forced fidelity (top-1 agreement with full
+prefill's answer), KL of the first token, and whether its free-running greedy answer equals full
+prefill's (and for how many tokens). Results are written after every prompt (a killed run keeps what
+it measured; ``--resume`` continues it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -18,107 +28,127 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dataset import build
+import corpus
+import oracle
 
 from ragkv import models
-from ragkv.blend import BlendConfig, BlendEngine, DeviationSelector
-from ragkv.evaluate import Question, evaluate, format_table
-from ragkv.policy import PrecomputePolicy, StorageFormat
-from ragkv.prompt import PromptTemplate
+from ragkv.blend import SELECTORS, BlendConfig, BlendEngine
+from ragkv.blend.select import make_selector
+from ragkv.evaluate import agreeing_prefix, kl_divergence, teacher_forced_agreement
 from ragkv.store import open_store
 
-VARIANTS = {
-    # name: (PrecomputePolicy kwargs, BlendConfig kwargs); gap None = the default, 1024 for SmolLM2
-    "reference: no sink, V, check [1]": (dict(sink="none", gap=0), dict(signal="v", check_layers=(1,))),
-    "sink template, gap 0, V, check [1]": (dict(sink="template", gap=0), dict(signal="v", check_layers=(1,))),
-    "sink template, gap 1024, V, check [1]": (dict(sink="template"), dict(signal="v", check_layers=(1,))),
-    "sink template, gap 1024, KV, check [1]": (dict(sink="template"), dict(signal="kv", check_layers=(1,))),
-    "ragkv default: sink template, gap 1024, V, gradual [1,3,6]": (dict(sink="template"), dict()),
-    "ragkv default, int8 storage": (dict(sink="template"), dict(storage_dtype="int8")),
-}
+N_TOKENS = 32
+
+
+def parse_methods(text: str):
+    """'deviation,query,oracle-kv' -> [(name, selector or oracle kind)]; a name may carry settings:
+    'query(rows=8,smooth=1)'."""
+    out = []
+    for item in _split_top(text):
+        name, _, args = item.partition("(")
+        if name.startswith("oracle-"):
+            out.append((item, name.removeprefix("oracle-")))
+            continue
+        if name not in SELECTORS:
+            raise SystemExit(f"unknown method {name!r}; valid: {', '.join(SELECTORS)}, oracle-kv, oracle-mix")
+        kwargs = eval(f"dict({args[:-1]})") if args else {}  # benchmark flags, trusted input
+        out.append((item, make_selector(SELECTORS[name](**kwargs))))
+    return out
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [p for p in [*parts, cur.strip()] if p]
+
+
+def timed(fn, repeats: int):
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        runs.append((time.perf_counter() - t0, out))
+    return statistics.median(t for t, _ in runs), runs[-1][1]
+
+
+@torch.inference_mode()
+def run_prompt(engine: BlendEngine, p: dict, methods, ratios, repeats: int) -> dict:
+    a, tok = engine.adapter, engine.tokenizer
+    engine.ensure(p["contexts"])
+    prompt = engine.build_prompt(p["question"], p["contexts"])
+    ids = torch.tensor([prompt.input_ids], device=a.device)
+    full_ttft, (logits, cache) = timed(lambda: a.forward(ids, logits_to_keep=1), repeats)
+    full_logits = logits[0, -1].float()
+    cache.crop(-1)
+    target = a.generate(ids, cache, tok, max_new_tokens=N_TOKENS, do_sample=False)
+    row = {"id": p["id"], "genre": p["genre"], "tokens": prompt.num_tokens, "chunk_tokens": sum(map(len, prompt.chunk_ids)),
+           "full_ttft": full_ttft, "target_tokens": int(target.numel()), "methods": {}}
+    orders = oracle.orders(engine, prompt) if any(isinstance(m, str) for _, m in methods) else {}
+    for name, method in methods:
+        sel = oracle.FixedSelector(orders[method]) if isinstance(method, str) else method
+        eng = engine.with_config(selector=sel)
+        for r in ratios:
+            ttft, res = timed(lambda e=eng, r=r: e.prefill_prompt(prompt, ratio=r), repeats)
+            answer = a.generate(res.input_ids, res.cache, tok, max_new_tokens=N_TOKENS, do_sample=False)
+            a.truncate(res.cache, prompt.num_tokens - 1)
+            agree = agreeing_prefix(answer, target)
+            s = res.stats
+            row["methods"][f"{name}@{r:g}"] = {
+                "ttft": ttft, "fidelity": teacher_forced_agreement(a, res, target),
+                "kl": kl_divergence(full_logits, res.logits), "same_answer": agree == target.numel(),
+                "agree_tokens": agree, "recomputed": s.recomputed_tokens,
+                "split": {k: getattr(s, f"t_{k}") for k in ("lookup", "load", "load_io", "fuse", "select", "compute")},
+            }
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/blend/results")
-    ap.add_argument("--questions", type=int, default=10)
-    ap.add_argument("--ratios", default="0,0.05,0.15,0.3,0.5")
-    ap.add_argument("--variants", default="all", help="comma-separated variant indices or 'all'")
-    ap.add_argument("--store", default=None, help="store URI (default: a disk store under --out)")
+    ap.add_argument("--split", default="test", choices=["dev", "test", "all"])
+    ap.add_argument("--dtype", default="auto", help="model dtype: auto | bfloat16 | float32")
+    ap.add_argument("--methods", default="deviation,query")
+    ap.add_argument("--ratios", default="0.05,0.1,0.15,0.3")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    ap.add_argument("--store", default=None, help="store URI (default: a disk store beside --out)")
     ap.add_argument("--threads", type=int, default=None)
-    a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model, tok = models.load()
-    template = PromptTemplate.for_tokenizer(tok)
-    qs = [Question(q["question"], q["contexts"]) for q in build(template, n_questions=a.questions)]
-    base = a.store or f"disk://{out.resolve()}/store"
-    ratios = [float(r) for r in a.ratios.split(",")]
-    names = list(VARIANTS)
-    if a.variants != "all":
-        names = [names[int(i)] for i in a.variants.split(",")]
-    report = {"model": "SmolLM2-135M-Instruct", "device": "cpu", "threads": torch.get_num_threads(),
-              "questions": len(qs), "prompt_tokens": None, "variants": {}}
-    for name in names:
-        policy, cfg = VARIANTS[name][0], dict(VARIANTS[name][1])
-        # entries are keyed by content, not encoding: another storage dtype needs its own store
-        storage = cfg.pop("storage_dtype", None)
-        store = open_store(base + ("-" + storage if storage else ""))
-        eng = BlendEngine(model, tok, store, config=BlendConfig(selector=DeviationSelector(**cfg)),
-                          policy=PrecomputePolicy(**policy), storage=StorageFormat(storage))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    methods, ratios = parse_methods(args.methods), [float(r) for r in args.ratios.split(",")]
+    model, tok = models.load("smollm2-135m", dtype=args.dtype)
+    dtype = str(model.dtype).removeprefix("torch.")
+    store = open_store(args.store or f"disk://{out.parent.resolve()}/store-{dtype}?max_bytes=20G")
+    engine = BlendEngine(model, tok, store, BlendConfig())
+    prompts = corpus.load(args.split)[: args.limit]
+    report = {"meta": {"command": "python " + " ".join(sys.argv), "model": "SmolLM2-135M-Instruct", "dtype": dtype,
+                       "threads": torch.get_num_threads(), "split": args.split, "repeats": args.repeats,
+                       "methods": [m for m, _ in methods], "ratios": ratios, "n_tokens": N_TOKENS,
+                       "started": time.strftime("%Y-%m-%d %H:%M")}, "prompts": []}
+    if args.resume and out.exists():
+        report["prompts"] = json.loads(out.read_text())["prompts"]
+    done = {r["id"] for r in report["prompts"]}
+    for i, p in enumerate(prompts):
+        if p["id"] in done:
+            continue
         t0 = time.time()
-        rep = evaluate(eng, qs, ratios=ratios, repeats=2)
-        report["prompt_tokens"] = sum(eng.build_prompt(q.question, q.contexts).num_tokens for q in qs) / len(qs)
-        report["variants"][name] = rep["methods"]
-        print(f"\n## {name}  ({time.time() - t0:.0f} s)\n{format_table(rep)}", flush=True)
-        (out / "results.json").write_text(json.dumps(report, indent=1))
-    write_markdown(report, out, " ".join(sys.argv))
-    plot(report, out / "tradeoff.png")
-
-
-def write_markdown(report: dict, out: Path, cmd: str) -> None:
-    lines = [f"# Blend benchmark: {report['model']} on CPU ({report['threads']} threads)", "",
-             f"Command: `python {cmd}`", "",
-             f"{report['questions']} prompts of 6 chunks x ~512 tokens of Python stdlib documentation "
-             f"(pydoc) + a question; mean prompt {report['prompt_tokens']:.0f} tokens. "
-             "TTFT = request -> first-token logits with chunk K/V in the disk store (page cache warm), "
-             "median of 2 runs per prompt; fidelity = teacher-forced top-1 agreement with full prefill "
-             "over its first 32 greedy tokens; kl = KL(full || method) of the first token.", ""]
-    for name, methods in report["variants"].items():
-        full = methods["full"]["ttft_s"]
-        lines += [f"## {name}", "", "| method | TTFT s | speedup vs full | fidelity | KL | load s | fuse s | recompute s |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for m, d in methods.items():
-            lines.append(f"| {m} | {d['ttft_s']:.3f} | {full / d['ttft_s']:.2f}x | {d['fidelity']:.3f} | {d['kl']:.4f} | "
-                         f"{d.get('load_s', 0):.3f} | {d.get('fuse_s', 0):.3f} | {d.get('compute_s', 0):.3f} |")
-        lines.append("")
-    (out / "RESULTS.md").write_text("\n".join(lines))
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, methods in report["variants"].items():
-        pts = [(d["ttft_s"], d["fidelity"], m) for m, d in methods.items() if m != "full"]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
-        for x, y, m in pts:
-            ax.annotate(m, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    full = next(iter(report["variants"].values()))["full"]["ttft_s"]
-    ax.axvline(full, color="k", ls="--", lw=1)
-    ax.annotate("full prefill", (full, 0.8), rotation=90, fontsize=8)
-    ax.axhline(0.95, color="gray", ls=":", lw=1)
-    ax.set_xlabel("TTFT (s), SmolLM2-135M, CPU")
-    ax.set_ylabel("fidelity (top-1 agreement with full prefill)")
-    ax.set_title("CacheBlend: TTFT vs fidelity (labels: recompute ratio)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        report["prompts"].append(run_prompt(engine, p, methods, ratios, args.repeats))
+        out.write_text(json.dumps(report, indent=1))
+        row = report["prompts"][-1]
+        best = max(row["methods"].items(), key=lambda kv: kv[1]["fidelity"])
+        print(f"[{i + 1}/{len(prompts)}] {p['id']} {row['tokens']} tok, full {row['full_ttft']:.2f} s, "
+              f"best {best[0]} {best[1]['fidelity']:.3f} ({time.time() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from ragkv.blend.cache import FusedCache, Segment
 from ragkv.blend.result import BlendResult, BlendStats
 from ragkv.blend.select import Schedule, SelectionRequest
 from ragkv.kernels import dispatch as ops
-from ragkv.loader import Miss, _read_layer, make_loader
+from ragkv.loader import Miss, make_loader, read_layer
 from ragkv.prompt import Prompt
 from ragkv.store.entry import StoredLayer
 
@@ -167,7 +167,7 @@ class BlendRequest:
         got = loaded.get(seg.key) if loaded is not None else None
         if got is None:  # a layer the loader does not cover (the exact prefix, early layers)
             tl = time.perf_counter()
-            got = _read_layer(self.engine.store, [seg.key], li)[0]
+            got = read_layer(self.engine.store, [seg.key], li)[0]
             self.stats.t_load += time.perf_counter() - tl
         if isinstance(got, Miss):
             self._recover(seg, got)

@@ -1,0 +1,91 @@
+"""Offline oracles for the selection benchmark: which chunk tokens would be best to recompute, knowing
+what a selector at query time cannot know (the K/V of full prefill).
+
+    kv     rank chunk tokens by the true error of their stored K/V: over every layer, the squared
+           distance between the fused (re-rotated, stored) K/V and full prefill's K/V, each layer
+           normalised by its mean energy, K and V summed. Recomputing exactly the worst tokens.
+    mix    the kv rank fused with the question's attention measured on full prefill's own cache (the
+           query selector's score if its probe saw corrected K/V): a stale token the question does not
+           read matters less.
+
+Neither is a proof of optimality (the best subset depends on how errors propagate through layers;
+an exhaustive search is out of reach), but both use information no online selector has, so they
+bound what selection can reach from above in practice. ``FixedSelector`` replays a ranking through
+the engine, recomputing the top ``ratio`` of chunk tokens in every layer as the query selector does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ragkv.blend import BlendConfig, BlendEngine, QuerySelector
+from ragkv.blend.select import Schedule, SelectionRequest, Selector, _ranks
+from ragkv.store import open_store
+
+
+@dataclass(frozen=True)
+class FixedSelector(Selector):
+    """Recompute the first ``ceil(ratio * C)`` chunk rows of ``order`` (best first) in every layer."""
+
+    name: ClassVar[str] = "fixed"
+    order: tuple[int, ...] = ()
+
+    def schedule(self, req: SelectionRequest) -> Schedule:
+        n = req.keep(req.ratio)
+        if len(self.order) != req.chunk_len:
+            raise ValueError(f"the order ranks {len(self.order)} rows, the prompt has {req.chunk_len}")
+        return Schedule(torch.tensor(sorted(self.order[:n]), dtype=torch.long), {})
+
+
+@torch.inference_mode()
+def kv_error(engine: BlendEngine, prompt) -> torch.Tensor:
+    """[C] true K/V error of each chunk token's stored K/V against full prefill (see module doc)."""
+    a = engine.adapter
+    ids = torch.tensor([prompt.input_ids], device=a.device)
+    _, exact = a.forward(ids)
+    stale = engine.prefill_prompt(prompt, ratio=0.0).cache  # chunk rows = stored K/V, re-rotated
+    P, C = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids))
+    err = torch.zeros(C)
+    for li in range(a.num_layers):
+        for ex, st in ((exact.layers[li].keys, stale.layers[li].keys), (exact.layers[li].values, stale.layers[li].values)):
+            e, s = ex[0, :, P : P + C].float(), st[0, :, P : P + C].float()  # [H, C, D]
+            err += ((e - s) ** 2).sum((0, 2)).cpu() / (e**2).sum((0, 2)).mean().clamp_min(1e-12).cpu()
+    return err
+
+
+@torch.inference_mode()
+def exact_attention(engine: BlendEngine, prompt) -> torch.Tensor:
+    """[C] the query selector's score computed over full prefill's exact K/V: the prompt's segments
+    are stored exactly (sliced out of a full prefill) in a private memory store, then probed."""
+    a = engine.adapter
+    store = open_store("memory://?max_bytes=4G")
+    probe = BlendEngine(engine.model, engine.tokenizer, store, BlendConfig(selector=QuerySelector()),
+                        template=engine.template, policy=engine.policy, namespace="oracle")
+    _, exact = a.forward(torch.tensor([prompt.input_ids], device=a.device))
+    pieces = [(probe.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix-v1")]
+    pieces += [(probe.chunk_key(c), c, s, probe.policy_id) for c, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
+    for key, ids, start, policy in pieces:
+        layers = [(lay.keys[0, :, start : start + len(ids)].clone(), lay.values[0, :, start : start + len(ids)].clone())
+                  for lay in exact.layers]
+        store.put(probe.entry_meta(key, ids, start, policy), layers)
+    scores = {}
+    sel = probe.config.selector
+
+    class Capture(QuerySelector):  # keep the scores the probe computes
+        def schedule(self, req):
+            scores["s"] = sel.scores(req)
+            return Schedule(torch.arange(req.chunk_len), {})
+
+    probe.with_config(selector=Capture()).prefill_prompt(prompt, ratio=0.5)
+    return scores["s"].cpu()
+
+
+def orders(engine: BlendEngine, prompt) -> dict[str, tuple[int, ...]]:
+    """Oracle rankings of the chunk rows, best first: {"kv": ..., "mix": ...}."""
+    err = kv_error(engine, prompt)
+    att = exact_attention(engine, prompt)
+    mix = _ranks(err) + _ranks(att)
+    return {name: tuple(torch.argsort(x, descending=True).tolist()) for name, x in (("kv", err), ("mix", mix))}
