@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ragkv import models
 from ragkv.adapter import ModelAdapter, UnsupportedModelError
-from ragkv.blend import BlendConfig, BlendEngine, DeviationSelector, HybridSelector, QuerySelector
+from ragkv.blend import SELECTORS, BlendConfig, BlendEngine, DeviationSelector, HybridSelector, QuerySelector
 from ragkv.blend import attention as attention_mod
 from ragkv.blend import cache as cache_mod
 from ragkv.kernels import dispatch as ops
@@ -431,12 +431,29 @@ def test_auto_ratio_recomputes_what_the_load_hides_never_below_the_floor():
         eng.prefill_prompt(prompt, ratio="fast")
 
 
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_auto_ratio_works_with_every_selector(name):
+    """ratio='auto' picks the ratio before selection; every selector then recomputes that share."""
+    from ragkv.controller import LayerCost, RatioController
+
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=31, sizes=(50, 70, 60))
+    store = MemoryStore()
+    BlendEngine(model, None, store, template=TEMPLATE).prefill_prompt(prompt)  # stores the chunks
+    eng = BlendEngine(model, None, store, BlendConfig(selector=name, ratio_floor=0.25), template=TEMPLATE)
+    eng._controller = RatioController(LayerCost(c0=0.0, c1=1.0))  # nothing hides: the floor
+    res = eng.prefill_prompt(prompt, ratio="auto")
+    assert res.stats.hits == 3 and res.stats.ratio == 0.25
+    assert res.stats.recomputed_tokens == math.ceil(0.25 * 180)
+
+
 # ---------------------------------------------------------------- selection strategies
 
 
 @pytest.mark.parametrize("selector", [DeviationSelector(), DeviationSelector(check_layers=(2,), signal="kv"),
                                       QuerySelector(), QuerySelector(rows=2, heads="max", smooth=1, chunk_starts=1),
-                                      QuerySelector(depth=2, skip_layers=1), HybridSelector(),
+                                      QuerySelector(depth=2, skip_layers=1), QuerySelector(full_layers=2),
+                                      HybridSelector(),
                                       HybridSelector(widen=3.0, check_layer=1, fuse="deviation")])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):

@@ -50,7 +50,7 @@ def parse_methods(text: str):
             out.append((item, name.removeprefix("oracle-")))
             continue
         if name not in SELECTORS:
-            raise SystemExit(f"unknown method {name!r}; valid: {', '.join(SELECTORS)}, oracle-kv, oracle-mix")
+            raise SystemExit(f"unknown method {name!r}; valid: {', '.join(SELECTORS)}, oracle-kv, oracle-mix, oracle-grad")
         kwargs = eval(f"dict({args[:-1]})") if args else {}  # benchmark flags, trusted input
         out.append((item, make_selector(SELECTORS[name](**kwargs))))
     return out
@@ -90,7 +90,8 @@ def run_prompt(engine: BlendEngine, p: dict, methods, ratios, repeats: int) -> d
     target = a.generate(ids, cache, tok, max_new_tokens=N_TOKENS, do_sample=False)
     row = {"id": p["id"], "genre": p["genre"], "tokens": prompt.num_tokens, "chunk_tokens": sum(map(len, prompt.chunk_ids)),
            "full_ttft": full_ttft, "target_tokens": int(target.numel()), "methods": {}}
-    orders = oracle.orders(engine, prompt) if any(isinstance(m, str) for _, m in methods) else {}
+    kinds = {m for _, m in methods if isinstance(m, str)}
+    orders = oracle.orders(engine, prompt, target, kinds) if kinds else {}
     for name, method in methods:
         sel = oracle.FixedSelector(orders[method]) if isinstance(method, str) else method
         eng = engine.with_config(selector=sel)
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.05,0.1,0.15,0.3")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    ap.add_argument("--per-genre", type=int, default=None, help="first N prompts of each genre only")
     ap.add_argument("--store", default=None, help="store URI (default: a disk store beside --out)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", required=True)
@@ -131,9 +133,12 @@ def main() -> None:
     dtype = str(model.dtype).removeprefix("torch.")
     store = open_store(args.store or f"disk://{out.parent.resolve()}/store-{dtype}?max_bytes=20G")
     engine = BlendEngine(model, tok, store, BlendConfig())
-    prompts = corpus.load(args.split)[: args.limit]
+    prompts = corpus.load(args.split)
+    if args.per_genre:
+        prompts = [p for p in prompts if sum(q["genre"] == p["genre"] for q in prompts[: prompts.index(p)]) < args.per_genre]
+    prompts = prompts[: args.limit]
     report = {"meta": {"command": "python " + " ".join(sys.argv), "model": "SmolLM2-135M-Instruct", "dtype": dtype,
-                       "threads": torch.get_num_threads(), "split": args.split, "repeats": args.repeats,
+                       "threads": torch.get_num_threads(), "split": args.split, "per_genre": args.per_genre, "repeats": args.repeats,
                        "methods": [m for m, _ in methods], "ratios": ratios, "n_tokens": N_TOKENS,
                        "started": time.strftime("%Y-%m-%d %H:%M")}, "prompts": []}
     if args.resume and out.exists():

@@ -4,6 +4,10 @@ what a selector at query time cannot know (the K/V of full prefill).
     kv     rank chunk tokens by the true error of their stored K/V: over every layer, the squared
            distance between the fused (re-rotated, stored) K/V and full prefill's K/V, each layer
            normalised by its mean energy, K and V summed. Recomputing exactly the worst tokens.
+    grad   rank chunk tokens by the first-order effect on the answer of making their K/V exact: the
+           gradient of the teacher-forced loss of full prefill's answer with respect to the fused
+           cache, dotted with (exact - stored) K/V of each token, summed over layers (attribution
+           patching). Knows the answer and the exact K/V: no selector at query time does.
     mix    the kv rank fused with the question's attention measured on full prefill's own cache (the
            query selector's score if its probe saw corrected K/V): a stale token the question does not
            read matters less.
@@ -83,9 +87,49 @@ def exact_attention(engine: BlendEngine, prompt) -> torch.Tensor:
     return scores["s"].cpu()
 
 
-def orders(engine: BlendEngine, prompt) -> dict[str, tuple[int, ...]]:
-    """Oracle rankings of the chunk rows, best first: {"kv": ..., "mix": ...}."""
-    err = kv_error(engine, prompt)
-    att = exact_attention(engine, prompt)
-    mix = _ranks(err) + _ranks(att)
-    return {name: tuple(torch.argsort(x, descending=True).tolist()) for name, x in (("kv", err), ("mix", mix))}
+def answer_gradient(engine: BlendEngine, prompt, target: torch.Tensor) -> torch.Tensor:
+    """[C] first-order decrease of the teacher-forced loss of ``target`` (full prefill's answer) when
+    a chunk token's K/V go from stored to exact in every layer (see module doc)."""
+    a = engine.adapter
+    P, C, T = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids)), len(prompt.input_ids)
+    ids = torch.tensor([prompt.input_ids], device=a.device)
+    with torch.inference_mode():
+        _, exact = a.forward(ids)
+        stale = engine.prefill_prompt(prompt, ratio=0.0).cache  # positions [0, T-1)
+        deltas = [(ex.keys[:, :, P : P + C] - st.keys[:, :, P : P + C], ex.values[:, :, P : P + C] - st.values[:, :, P : P + C])
+                  for ex, st in zip(exact.layers, stale.layers)]
+    needed = [p.requires_grad for p in engine.model.parameters()]
+    for p in engine.model.parameters():
+        p.requires_grad_(False)
+    try:  # clones made outside inference mode are ordinary tensors that can require grad
+        with torch.inference_mode(False), torch.enable_grad():
+            leaves = [(st.keys.clone().requires_grad_(), st.values.clone().requires_grad_()) for st in stale.layers]
+            cache = a.cache_from([k for k, _ in leaves], [v for _, v in leaves])
+            inp = torch.cat([ids[0, -1:], target[:-1]])[None].clone()
+            logits, _ = a.forward(inp, cache, torch.arange(T - 1, T - 1 + inp.shape[1], device=a.device)[None])
+            loss = torch.nn.functional.cross_entropy(logits[0].float(), target.clone())
+            loss.backward()
+    finally:
+        for p, n in zip(engine.model.parameters(), needed):
+            p.requires_grad_(n)
+    score = torch.zeros(C)
+    for (k, v), (dk, dv) in zip(leaves, deltas):
+        gk, gv = k.grad[0, :, P : P + C].float(), v.grad[0, :, P : P + C].float()
+        score -= ((gk * dk[0].float()).sum((0, 2)) + (gv * dv[0].float()).sum((0, 2))).cpu()
+    return score  # loss decrease predicted by patching each token: larger is better
+
+
+def orders(engine: BlendEngine, prompt, target: torch.Tensor, kinds=("kv", "mix", "grad")) -> dict[str, tuple[int, ...]]:
+    """Oracle rankings of the chunk rows, best first, for each of ``kinds`` ("kv", "mix", "grad";
+    "grad" scores against full prefill's answer ``target``)."""
+    unknown = set(kinds) - {"kv", "mix", "grad"}
+    if unknown:
+        raise ValueError(f"unknown oracle(s) {sorted(unknown)}; valid: kv, mix, grad")
+    scores = {}
+    if {"kv", "mix"} & set(kinds):
+        scores["kv"] = kv_error(engine, prompt)
+    if "mix" in kinds:
+        scores["mix"] = _ranks(scores["kv"]) + _ranks(exact_attention(engine, prompt))
+    if "grad" in kinds:
+        scores["grad"] = answer_gradient(engine, prompt, target)
+    return {name: tuple(torch.argsort(x, descending=True).tolist()) for name, x in scores.items()}

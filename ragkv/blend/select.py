@@ -149,7 +149,9 @@ class QuerySelector(Selector):
     a shallower probe costs less, the layers it skips are fused by the pass that follows).
     smooth: also credit a token with its neighbours' score within this distance (max-pooling).
     chunk_starts: ignore the first tokens of every chunk (attention sinks score high whatever the
-    question). normalize: each layer's attention over the chunks sums to 1."""
+    question). normalize: each layer's attention over the chunks sums to 1. full_layers: recompute
+    every chunk token in the first ``full_layers`` layers (as CacheBlend does before its check
+    layer), the selected ones after."""
 
     name: ClassVar[str] = "query"
     rows: int | None = None
@@ -159,11 +161,12 @@ class QuerySelector(Selector):
     smooth: int = 0
     chunk_starts: int = 0
     normalize: bool = True
+    full_layers: int = 0
 
     def __post_init__(self):
         if self.heads not in ("mean", "max"):
             raise ValueError(f"heads must be 'mean' or 'max', got {self.heads!r}")
-        for name in ("skip_layers", "smooth", "chunk_starts"):
+        for name in ("skip_layers", "smooth", "chunk_starts", "full_layers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.rows is not None and self.rows < 1:
@@ -173,6 +176,8 @@ class QuerySelector(Selector):
 
     def check(self, num_layers: int) -> None:
         depth = num_layers if self.depth is None else self.depth
+        if self.full_layers >= num_layers:
+            raise ValueError(f"full_layers {self.full_layers} leaves no layer of {num_layers} to select in")
         if not self.skip_layers < depth <= num_layers:
             raise ValueError(f"the probe scores layers [{self.skip_layers}, {depth}) of {num_layers}: "
                              "need skip_layers < depth <= the model's layers")
@@ -184,6 +189,8 @@ class QuerySelector(Selector):
         if n == req.chunk_len:  # everything is recomputed: no probe needed
             return Schedule(torch.arange(req.chunk_len), {})
         scores = self.scores(req)
+        if self.full_layers:  # every row through the first layers, then the top ones by the same score
+            return Schedule(torch.arange(req.chunk_len), {self.full_layers - 1: n}, lambda *kv: scores)
         return Schedule(torch.topk(scores, n).indices.sort().values.cpu(), {})
 
     def scores(self, req: SelectionRequest) -> torch.Tensor:
