@@ -63,3 +63,14 @@ def tiny_smollm2_dir(tiny_smollm2, tmp_path_factory):
 @pytest.fixture(params=["llama", "mistral", "qwen2"])
 def tiny(request):
     return models.tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real 3-master Redis Cluster on free ports, shared by the whole session (skips locally
+    without redis-server/redis-cli, FAILS under CI=true)."""
+    from redis_cluster import start_cluster_or_skip
+
+    cluster = start_cluster_or_skip()
+    yield cluster
+    cluster.stop()
