@@ -9,6 +9,7 @@
                   process wrote meanwhile counts as skipped; STOP_AFTER consecutive write failures of
                   one cause stop the job (``stop_reason``)
 
+``EngineSpec`` is what a worker needs to build the driver's engine (names and options, not objects).
 Every outcome goes through ``Tally.record`` (counts, and per key when ``Tally.keys`` is a list: what
 a Ray actor hands back to the driver instead of any K/V).
 """
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ragkv.chunking import chunk_spans
 from ragkv.keys import KEY_PREFIX
-from ragkv.policy import batches
+from ragkv.policy import StorageFormat, batches
 
 STOP_AFTER = 3  # consecutive write failures of one cause that stop the job
 _MAX_REPORTED_ERRORS = 20
@@ -31,6 +32,40 @@ OUTCOMES = ("new", "repaired", "skipped", "failed", "not_attempted")
 def key_shard(key: str, n: int) -> int:
     """Shard of a chunk key: its blake2b digest mod n (stable across machines and runs)."""
     return int(key.removeprefix(KEY_PREFIX), 16) % n
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a worker needs to build the same BlendEngine as the driver: names and options,
+    never objects (a model is loaded where it runs). ``store_uri`` may hold a password: it is passed
+    to the actors and never shown (``redact_uri``)."""
+
+    model: str = "smollm2-135m"
+    model_dtype: str = "auto"
+    store_uri: str = ""
+    sink: str = "template"
+    gap: int | None = None
+    namespace: str = ""
+    storage: StorageFormat | None = None  # None: entries in the model's dtype
+
+    def resolved(self) -> EngineSpec:
+        """'auto' replaced by this machine's choice, so machines of different kinds agree (the
+        dtype is part of every key)."""
+        from ragkv import models
+
+        return replace(self, model_dtype=str(models.parse_dtype(self.model_dtype)).removeprefix("torch."))
+
+    def build(self, store=None, config=None):
+        """The BlendEngine (``store``: an open store, else one opened from ``store_uri``)."""
+        from ragkv import models
+        from ragkv.blend import BlendEngine
+        from ragkv.policy import PrecomputePolicy
+        from ragkv.store import open_store
+
+        model, tok = models.load(self.model, dtype=self.model_dtype)
+        store = open_store(self.store_uri) if store is None else store
+        return BlendEngine(model, tok, store, config, policy=PrecomputePolicy(self.sink, self.gap),
+                           storage=self.storage, namespace=self.namespace)
 
 
 @dataclass

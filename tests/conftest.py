@@ -74,3 +74,23 @@ def redis_cluster():
     cluster = start_cluster_or_skip()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the session (Ray 2.60 has no local_mode): 2 CPUs, no dashboard, a small
+    object store (K/V never goes through it). Ray is in the `dev` extra: missing, the tests FAIL
+    under CI=true and skip locally."""
+    from redis_server import IN_CI
+
+    try:
+        import ray
+    except ImportError as e:
+        if IN_CI:
+            pytest.fail(f"CI is set but Ray is not installed ({e}): pip install -e '.[dev]'")
+        pytest.skip(f"no Ray: {e}")
+    # on a loaded machine the dashboard agent can take longer than Ray's default to come up
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    yield ray
+    ray.shutdown()
