@@ -166,7 +166,11 @@ def precompute_ray(
         return summary
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, include_dashboard=False, log_to_driver=progress)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=progress)
+        except Exception as e:  # e.g. --ray-address auto with no `ray start` on this machine
+            where = f"join Ray at {address}" if address else "start a local Ray"
+            raise RuntimeError(f"cannot {where}: {type(e).__name__}: {e}") from None
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = progress

@@ -91,6 +91,13 @@ def ray_session():
         pytest.skip(f"no Ray: {e}")
     # on a loaded machine the dashboard agent can take longer than Ray's default to come up
     os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    for attempt in range(3):  # Ray waits 30 s (fixed) for its node to come up: a loaded machine may need another go
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
     yield ray
     ray.shutdown()

@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--storage", default="bfloat16", help="storage dtype of the timed runs")
+    ap.add_argument("--ray-address", default=None, help="join this Ray head instead of starting one")
     ap.add_argument("--out", default=str(HERE / "ray.json"))
     args = ap.parse_args()
 
@@ -121,7 +122,19 @@ def main() -> None:
     corpus.mkdir()
     chars = write_corpus(tok, args.docs, args.doc_tokens, corpus)
     t0 = time.perf_counter()
-    ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    for attempt in range(3):  # Ray waits a fixed 30 s for its node: a loaded machine may need another go
+        try:
+            if args.ray_address:  # a head started by `ray start` (see RESULTS.md)
+                ray.init(address=args.ray_address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=200 * 2**20,
+                         log_to_driver=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
+            t0 = time.perf_counter()
     ray_init = time.perf_counter() - t0
     modes = ("local", "ray-1", "ray-2")
     results: dict[str, list] = {m: [] for m in modes}
