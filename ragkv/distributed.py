@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Iterable
 
-from ragkv.precompute import OverBudget, PrecomputeSummary, check_job_args
+from ragkv.precompute import OverBudget, PrecomputeSummary, check_job_args, entry_bytes
 from ragkv.sources import Report, read_documents
 from ragkv.writer import OUTCOMES, EngineSpec, Tally, plan, write_chunks
 
@@ -81,25 +81,28 @@ class _PrecomputeActor:
 
         torch.set_num_threads(max(1, threads))
         self.engine = spec.build()
+        self.size = entry_bytes(self.engine)  # planned bytes of a chunk to compute, as the local job counts
         self.chunk_tokens, self.batch_tokens = chunk_tokens, batch_tokens
         self.stop_reason: str | None = None
 
     def __call__(self, batch: dict) -> dict:
         summary = PrecomputeSummary()
         tally = Tally(summary, keep_keys=True)
+        planned: dict[str, int] = {}
         for unit in batch["docs"]:
             docs = [tuple(d) for d in json.loads(unit)]
             todo = plan(self.engine, docs, self.chunk_tokens, None, tally)
+            planned.update((key, self.size(len(ids))) for key, ids in todo)
             if self.stop_reason:  # this actor stopped after repeated write failures: leave the rest
                 for key, _ in todo:
                     tally.record(key, "not_attempted")
             else:
                 self.stop_reason = write_chunks(self.engine, todo, self.batch_tokens, tally)
-        rows = [(o.key, o.outcome, o.tokens, o.nbytes, "") for o in tally.keys]
-        rows += [("", "note", 0, 0, e) for e in summary.errors]
+        rows = [(o.key, o.outcome, o.tokens, o.nbytes, planned.get(o.key, 0), "") for o in tally.keys]
+        rows += [("", "note", 0, 0, 0, e) for e in summary.errors]
         if self.stop_reason:
-            rows.append(("", "stopped", 0, 0, self.stop_reason))
-        cols = ("key", "outcome", "tokens", "bytes", "note")
+            rows.append(("", "stopped", 0, 0, 0, self.stop_reason))
+        cols = ("key", "outcome", "tokens", "bytes", "planned", "note")
         return {c: [r[i] for r in rows] for i, c in enumerate(cols)}
 
 
@@ -121,6 +124,7 @@ def merge(rows: Iterable[dict], summary: PrecomputeSummary) -> None:
             best[r["key"]] = r
     for r in best.values():
         tally.record(r["key"], r["outcome"], int(r["tokens"]), int(r["bytes"]))
+    summary.planned_bytes = sum(int(r["planned"]) for r in best.values())
     summary.chunks = len(best)
     if stops:
         summary.stop(f"a worker stopped: {stops[0]}", sum(r["outcome"] == "not_attempted" for r in best.values()))

@@ -128,3 +128,28 @@ def test_cli_ray_refuses_what_cannot_work_before_starting_ray(tiny_smollm2_dir, 
     r = CliRunner().invoke(main, args + extra)
     assert r.exit_code in (1, 2) and message in r.output, r.output
     assert "Traceback" not in r.output
+
+
+def test_the_actor_and_the_merge_without_ray_give_the_local_summary(tiny_smollm2_dir, spaces):
+    """The actor class is plain Python: two 'actors' on overlapping work units (a document twice)
+    write each chunk once between them, and the merged summary equals the local job's."""
+    from ragkv.distributed import _PrecomputeActor, merge, units
+    from ragkv.precompute import PrecomputeSummary
+    from ragkv.sources import Report, read_documents
+
+    local_uri, ray_uri = spaces
+    spec = EngineSpec(str(tiny_smollm2_dir), "float32")
+    with open_store(local_uri) as store:
+        local = precompute(spec.build(store), paths=[DOCS], chunk_tokens=CHUNK)
+    docs = read_documents([DOCS], (), Report([], []))
+    a, b = (_PrecomputeActor(EngineSpec(**{**spec.__dict__, "store_uri": ray_uri}), CHUNK, 4096, 1) for _ in "ab")
+    work = units(docs, 2)
+    assert len(work) == 2
+    out_a = a({"docs": [work[0]["docs"]]})
+    out_b = b({"docs": [work[1]["docs"], work[0]["docs"]]})  # b sees a's documents again: all stored
+    rows = [dict(zip(o, vals)) for o in (out_a, out_b) for vals in zip(*o.values())]
+    merged = PrecomputeSummary(docs=len(docs))
+    merge(rows, merged)
+    assert {k: getattr(merged, k) for k in SUMMARY_COUNTS} == {k: getattr(local, k) for k in SUMMARY_COUNTS}
+    assert merged.planned_bytes == local.planned_bytes > 0
+    assert _keys(ray_uri) == _keys(local_uri)
