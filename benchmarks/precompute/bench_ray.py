@@ -8,8 +8,8 @@
     each run writes into a fresh disk:// store (max_bytes=none, fsync on) and is timed whole: reading,
     chunking, actor start and model load (Ray), prefill, encode, write. ray.init is timed apart (once).
     tokens/s = cached chunk tokens / seconds; overhead = 1 - ray-1 / local (same CPUs).
-    storage  bytes of one entry of --chunk-tokens tokens per storage dtype (real encoded entries of
-             the model), and the cost of 1M such chunks.
+    storage  bytes of one entry of 512 tokens per storage dtype (real encoded entries of the model),
+             and the cost of 1M such chunks (whatever --chunk-tokens the timed runs use).
 
     .venv/bin/python benchmarks/precompute/bench_ray.py [--docs 8] [--doc-tokens 1536] [--repeats 2]
 """
@@ -35,6 +35,7 @@ from ragkv.writer import EngineSpec
 MODULES = ("collections", "pathlib", "json", "argparse", "subprocess", "threading", "itertools", "functools",
            "logging", "email.message", "http.client", "unittest", "sqlite3", "datetime", "re")
 DTYPES = ("float32", "float16", "bfloat16", "int8")
+STORAGE_CHUNK = 512
 HERE = Path(__file__).parent
 
 
@@ -151,10 +152,10 @@ def main() -> None:
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-    storage = storage_table(EngineSpec(args.model, args.model_dtype), args.chunk_tokens)
+    storage = storage_table(EngineSpec(args.model, args.model_dtype), STORAGE_CHUNK)
     Path(args.out).write_text(json.dumps({"args": vars(args), "chars": chars, "ray_init_s": ray_init,
                                           "runs": results, "storage": storage}, indent=1) + "\n")
-    plot(results, storage, args.chunk_tokens, Path(args.out).with_suffix(".png"))
+    plot(results, storage, STORAGE_CHUNK, Path(args.out).with_suffix(".png"))
     loc = statistics.median(r["tok_s"] for r in results["local"])
     print(f"ray.init {ray_init:.1f} s")
     for m in modes:
