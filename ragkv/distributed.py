@@ -144,8 +144,8 @@ def precompute_ray(
     progress: bool = False,
 ) -> PrecomputeSummary:
     """The local ``precompute`` on Ray Data: ``workers`` actors of ``cpus_per_worker`` CPUs each.
-    ``address``: None starts a local Ray (or uses the one this process already joined), 'auto' or
-    HOST:PORT joins a running cluster. The store (``spec.store_uri``) must be shared by every worker.
+    ``address``: None starts a new local Ray (or uses the one this process already joined), 'auto'
+    or HOST:PORT joins a running cluster. The store (``spec.store_uri``) must be shared by every worker.
     Same keys, skip-if-stored resumability and summary as the local job."""
     from ragkv import models
     from ragkv.store import open_store
@@ -171,7 +171,8 @@ def precompute_ray(
     started = not ray.is_initialized()
     if started:
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=progress)
+            # "local": a new Ray of our own, even where `ray start` left a (maybe stale) default cluster
+            ray.init(address=address or "local", include_dashboard=False, log_to_driver=progress)
         except Exception as e:  # e.g. --ray-address auto with no `ray start` on this machine
             where = f"join Ray at {address}" if address else "start a local Ray"
             raise RuntimeError(f"cannot {where}: {type(e).__name__}: {e}") from None

@@ -93,7 +93,8 @@ def ray_session():
     os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
     for attempt in range(3):  # Ray waits 30 s (fixed) for its node to come up: a loaded machine may need another go
         try:
-            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
+                     log_to_driver=False)  # "local": never a cluster `ray start` left on this machine
             break
         except Exception:
             ray.shutdown()

@@ -128,8 +128,8 @@ def main() -> None:
             if args.ray_address:  # a head started by `ray start` (see RESULTS.md)
                 ray.init(address=args.ray_address, log_to_driver=False)
             else:
-                ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=200 * 2**20,
-                         log_to_driver=False)
+                ray.init(address="local", num_cpus=args.cpus, include_dashboard=False,
+                         object_store_memory=200 * 2**20, log_to_driver=False)
             break
         except Exception:
             ray.shutdown()
