@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ragkv._version import __version__
+from ragkv.cli_ray import precompute_ray, ray_options
 
 _STORE_HELP = "store URI(s), comma-separated = tiers (env RAGKV_STORE)"
 
@@ -79,15 +80,13 @@ def _engine(model_name: str, model_dtype: str, store, config=None, sink="templat
             storage=None):
     """The BlendEngine every command builds from its options (model errors are clear, not tracebacks)."""
     from ragkv import models
-    from ragkv.blend import BlendEngine
-    from ragkv.policy import PrecomputePolicy
+    from ragkv.writer import EngineSpec
 
+    spec = EngineSpec(model_name, model_dtype, sink=sink, gap=gap, namespace=namespace, storage=storage)
     try:
-        model, tok = models.load(model_name, dtype=model_dtype)
+        return spec.build(store, config)
     except models.ModelNotFoundError as e:
         raise click.ClickException(str(e)) from None
-    return BlendEngine(model, tok, store, config, policy=PrecomputePolicy(sink, gap), storage=storage,
-                       namespace=namespace)
 
 
 @main.command()
@@ -110,8 +109,10 @@ def _engine(model_name: str, model_dtype: str, store, config=None, sink="templat
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="progress bars on stderr")
 @_policy_options
+@ray_options
 def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_dtype, quant_axis, namespace,
-               batch_tokens, shard, allow_eviction, as_json, progress, sink, gap):
+               batch_tokens, shard, allow_eviction, as_json, progress, sink, gap, use_ray, ray_address, workers,
+               cpus_per_worker):
     """Chunk, prefill and store documents: .txt/.md files, .jsonl (field "text"), folders (recursive).
 
     Idempotent: chunks already in the store are skipped (and copied into tiers that lack them), so a
@@ -129,6 +130,12 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
     if quant_axis is not None and storage_dtype != "int8":
         raise click.BadParameter("only meaningful with --dtype int8", param_hint="--quant-axis")
     storage = StorageFormat(storage_dtype, quant_axis)
+    if use_ray:  # the same job on Ray Data (ragkv/cli_ray.py)
+        summary = precompute_ray(paths, store_uri, shard, allow_eviction, progress, ray_address, workers,
+                                 cpus_per_worker, chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
+                                 model=model_name, model_dtype=model_dtype, sink=sink, gap=gap,
+                                 namespace=namespace, storage=storage)
+        return _precompute_done(summary, paths, as_json)
     store = _open_store(store_uri)
     with store:
         _check([store])
@@ -139,6 +146,11 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
         except OverBudget as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(2)
+    _precompute_done(summary, paths, as_json)
+
+
+def _precompute_done(summary, paths, as_json) -> None:
+    """The summary on stderr (and JSON on stdout), the exit status: the same for --ray."""
     click.echo(summary.describe(), err=True)
     if as_json:
         click.echo(json.dumps(summary.as_dict()))

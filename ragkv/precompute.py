@@ -11,6 +11,9 @@
                              prefill, one forward each; entries encoded and written on a background
                              thread while the next batch computes (engine.write_entry)
 
+The plan and store steps live in ragkv.writer, shared with the Ray actors of ``--ray``
+(ragkv.distributed): both paths key, skip, repair and write chunks with the same code.
+
 Keys, policy and encoding come from the ``BlendEngine`` the job is given, so a chunk written here is
 exactly what the read path looks up. Idempotent: a second run (or one restarted after ``kill -9``:
 the stores write atomically) computes only what is missing. Repeated write failures of one cause
@@ -20,22 +23,18 @@ the stores write atomically) computes only what is missing. Repeated write failu
 from __future__ import annotations
 
 import os
-import queue
 import sys
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from ragkv.blend import BlendEngine
-from ragkv.chunking import chunk_spans
 from ragkv.keys import KEY_PREFIX
-from ragkv.policy import batches
 from ragkv.sources import Report, read_documents
 from ragkv.store.entry import encode
+from ragkv.writer import _MAX_REPORTED_ERRORS, STOP_AFTER, Tally, key_shard, plan, write_chunks
 
-_MAX_REPORTED_ERRORS = 20
-STOP_AFTER = 3  # consecutive write failures of one cause that stop the job
+__all__ = ["STOP_AFTER", "OverBudget", "PrecomputeSummary", "key_shard", "parse_shard", "plan", "precompute"]
 
 
 @dataclass
@@ -81,6 +80,11 @@ class PrecomputeSummary:
         if len(self.errors) < _MAX_REPORTED_ERRORS:
             self.errors.append(msg)
 
+    def stop(self, reason: str, left: int) -> None:
+        """The job stopped early after repeated write failures: say why and how to resume."""
+        self.stopped = (f"{reason}. {self.new} chunks were saved, {left} not attempted; fix the cause and "
+                        "rerun the same command to resume (stored chunks are skipped)")
+
 
 class OverBudget(ValueError):
     """The planned entries cannot fit a bounded tier: they would evict each other."""
@@ -104,9 +108,11 @@ def parse_shard(spec: str | tuple[int, int] | None) -> tuple[int, int] | None:
     return i, n
 
 
-def key_shard(key: str, n: int) -> int:
-    """Shard of a chunk key: its blake2b digest mod n (stable across machines and runs)."""
-    return int(key.removeprefix(KEY_PREFIX), 16) % n
+def check_job_args(chunk_tokens, batch_tokens) -> None:
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 16:
+        raise ValueError(f"chunk_tokens must be an integer >= 16, got {chunk_tokens!r}")
+    if batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
 
 
 def entry_bytes(engine: BlendEngine):
@@ -134,47 +140,6 @@ def _size(n: float) -> str:
 # ----------------------------------------------------------------------------- plan
 
 
-def _tiers_missing(store, key: str) -> tuple[int, int]:
-    """(tiers lacking a valid entry, tiers) for one key."""
-    tiers = getattr(store, "tiers", [store])
-    return len(store.missing_tiers(key)), len(tiers)
-
-
-def plan(engine: BlendEngine, docs, chunk_tokens: int, shard, summary: PrecomputeSummary, bar=None):
-    """Chunk every document and decide per chunk: skip, repair (copy between tiers) or compute."""
-    template, store = engine.template, engine.store
-    seen: set[str] = set()
-    todo: list[tuple[str, list[int]]] = []
-    done_chars = 0
-    for doc_id, text in docs:
-        try:
-            spans = chunk_spans(text, template, chunk_tokens,
-                                progress=None if bar is None else lambda c, d=done_chars: bar.update(d + c - bar.n))
-        except Exception as e:  # one pathological document must not stop the corpus
-            summary.failed += 1
-            summary.note(f"chunking {doc_id}: {type(e).__name__}: {e}")
-            continue
-        done_chars += len(text)
-        if bar is not None:
-            bar.update(done_chars - bar.n)
-            bar.set_postfix_str(f"{len(seen)} chunks", refresh=False)
-        for s, e in spans:
-            ids = template.chunk_ids(text[s:e])
-            key = engine.chunk_key(ids)
-            if (shard and key_shard(key, shard[1]) != shard[0]) or key in seen:
-                continue
-            seen.add(key)
-            lacking, tiers = _tiers_missing(store, key)
-            if lacking == 0:
-                summary.skipped += 1
-            elif lacking < tiers and store.fill(key):
-                summary.repaired += 1
-            else:
-                todo.append((key, ids))
-    summary.chunks = len(seen)
-    return todo
-
-
 def check_budget(engine: BlendEngine, todo, summary: PrecomputeSummary, allow_eviction: bool) -> None:
     """Refuse (OverBudget) a plan whose entries cannot fit a bounded tier of the store."""
     size = entry_bytes(engine)
@@ -192,68 +157,6 @@ def check_budget(engine: BlendEngine, todo, summary: PrecomputeSummary, allow_ev
 
 
 # ----------------------------------------------------------------------------- the job
-
-
-class _Writer:
-    """Encodes and writes entries on one background thread; ``submit`` blocks when ``depth`` batches
-    are already waiting (bounds memory). ``stop_reason`` is set after STOP_AFTER consecutive write
-    failures of one cause; the job then stops submitting."""
-
-    def __init__(self, engine: BlendEngine, summary: PrecomputeSummary, on_done, depth: int = 1):
-        self.engine, self.summary, self.on_done = engine, summary, on_done
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.lock = threading.Lock()
-        self.stop_reason: str | None = None
-        self._streak: tuple[str, int] = ("", 0)
-        self.thread = threading.Thread(target=self._run, name="ragkv-precompute-writer", daemon=True)
-        self.thread.start()
-
-    def submit(self, batch, kvs) -> None:
-        while True:
-            try:
-                return self.q.put((batch, kvs), timeout=1.0)
-            except queue.Full:
-                if not self.thread.is_alive():
-                    raise RuntimeError("the precompute writer thread died") from None
-
-    def close(self) -> None:
-        if self.thread.is_alive():
-            self.q.put(None)
-        self.thread.join()
-
-    def _run(self) -> None:
-        eng, s = self.engine, self.summary
-        while (item := self.q.get()) is not None:
-            batch, kvs = item
-            for (key, ids), kv in zip(batch, kvs):
-                if self.stop_reason:  # stopping: the rest is left for the rerun, not attempted
-                    break
-                try:
-                    wrote = eng.write_entry(key, ids, kv)
-                    if not wrote and eng.store.missing_tiers(key):  # e.g. every tier failed (logged)
-                        raise RuntimeError("the store took nothing (see its log)")
-                except Exception as e:  # a failed write never aborts the job by itself
-                    self._failed(key, e)
-                    continue
-                with self.lock:
-                    self._streak = ("", 0)
-                    if wrote:
-                        s.new, s.tokens, s.bytes_written = s.new + 1, s.tokens + len(ids), s.bytes_written + wrote
-                    else:
-                        s.skipped += 1
-                self.on_done(1, len(ids) if wrote else 0)
-            del kvs
-
-    def _failed(self, key: str, e: Exception) -> None:
-        cause = type(e).__name__ + str(getattr(e.__cause__, "errno", "") or "")
-        with self.lock:
-            self.summary.failed += 1
-            self.summary.note(f"write of {key}: {type(e).__name__}: {e}")
-            n = self._streak[1] + 1 if self._streak[0] == cause else 1
-            self._streak = (cause, n)
-            if n >= STOP_AFTER and self.stop_reason is None:
-                self.stop_reason = f"{n} writes in a row failed with {type(e).__name__}: {e}"
-        self.on_done(1, 0)
 
 
 def precompute(
@@ -276,18 +179,16 @@ def precompute(
     ``allow_eviction``."""
     t0 = time.perf_counter()
     shard_t = parse_shard(shard)
-    if not isinstance(chunk_tokens, int) or chunk_tokens < 16:
-        raise ValueError(f"chunk_tokens must be an integer >= 16, got {chunk_tokens!r}")
-    if batch_tokens < 1:
-        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    check_job_args(chunk_tokens, batch_tokens)
     summary = PrecomputeSummary(shard=None if shard_t is None else f"{shard_t[0]}/{shard_t[1]}")
     report = Report(summary.files_skipped, summary.bad_lines)
     docs = read_documents(paths, texts, report)
     summary.docs = len(docs)
 
+    tally = Tally(summary)
     bar = _bar(progress, sum(len(t) for _, t in docs), "planning", "char")
     try:
-        todo = plan(engine, docs, chunk_tokens, shard_t, summary, bar)
+        todo = plan(engine, docs, chunk_tokens, shard_t, tally, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -304,30 +205,13 @@ def precompute(
                                 refresh=False)
             bar.update(n_chunks)
 
-    writer = _Writer(engine, summary, on_done)
     try:
-        for group in batches([len(ids) for _, ids in todo], len(engine.sink_ids), batch_tokens):
-            if writer.stop_reason:
-                break
-            batch = [todo[i] for i in group]
-            try:
-                kvs = engine.prefill_chunks([ids for _, ids in batch], batch_tokens)
-            except Exception as e:
-                with writer.lock:
-                    summary.failed += len(batch)
-                    summary.note(f"prefill of {len(batch)} chunks: {type(e).__name__}: {e}")
-                on_done(len(batch), 0)
-                continue
-            writer.submit(batch, kvs)
-            del kvs
+        stop_reason = write_chunks(engine, todo, batch_tokens, tally, on_done)
     finally:
-        writer.close()
         if bar is not None:
             bar.close()
-    if writer.stop_reason:
-        left = len(todo) - summary.new - summary.failed - summary.skipped + skipped_at_plan
-        summary.stopped = (f"{writer.stop_reason}. {summary.new} chunks were saved, {left} not attempted; fix "
-                           "the cause and rerun the same command to resume (stored chunks are skipped)")
+    if stop_reason:
+        summary.stop(stop_reason, len(todo) - summary.new - summary.failed - (summary.skipped - skipped_at_plan))
     summary.seconds = time.perf_counter() - t0
     summary.tokens_per_s = summary.tokens / summary.seconds if summary.seconds > 0 else 0.0
     return summary

@@ -63,3 +63,42 @@ def tiny_smollm2_dir(tiny_smollm2, tmp_path_factory):
 @pytest.fixture(params=["llama", "mistral", "qwen2"])
 def tiny(request):
     return models.tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real 3-master Redis Cluster on free ports, shared by the whole session (skips locally
+    without redis-server/redis-cli, FAILS under CI=true)."""
+    from redis_cluster import start_cluster_or_skip
+
+    cluster = start_cluster_or_skip()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the session (Ray 2.60 has no local_mode): 2 CPUs, no dashboard, a small
+    object store (K/V never goes through it). Ray is in the `dev` extra: missing, the tests FAIL
+    under CI=true and skip locally."""
+    from redis_server import IN_CI
+
+    try:
+        import ray
+    except ImportError as e:
+        if IN_CI:
+            pytest.fail(f"CI is set but Ray is not installed ({e}): pip install -e '.[dev]'")
+        pytest.skip(f"no Ray: {e}")
+    # on a loaded machine the dashboard agent can take longer than Ray's default to come up
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")
+    for attempt in range(3):  # Ray waits 30 s (fixed) for its node to come up: a loaded machine may need another go
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
+                     log_to_driver=False)  # "local": never a cluster `ray start` left on this machine
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
+    yield ray
+    ray.shutdown()

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 import redis
-from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -88,7 +88,7 @@ class RedisStore(KVStore):
         if cluster:  # RedisCluster asks the cluster for its slots right away
             try:
                 self.client = redis.RedisCluster.from_url(url, **client_kwargs)
-            except (RedisError, OSError) as e:
+            except (RedisError, RedisClusterException, OSError) as e:  # RedisClusterException: no RedisError
                 raise StoreUnavailable(f"{redact_uri(url)}: cannot reach the cluster: {e}") from None
         else:
             self.client = redis.Redis.from_url(url, **client_kwargs)

@@ -1,5 +1,6 @@
-"""Fixtures for the store tests. Redis tests start their own redis-server on a free port; without
-the binary they skip locally and FAIL when CI is set (they must never vanish silently in CI)."""
+"""Fixtures for the store tests. Redis tests start their own redis-server on a free port, and the
+same tests run again on a real 3-master Redis Cluster (``redis_cluster``, tests/conftest.py);
+without the binaries they skip locally and FAIL when CI is set (they must never vanish silently)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import uuid
 
 import pytest
 from redis_server import SECRET, start_or_skip
+from store_testlib import open_redis
 
 
 @pytest.fixture(scope="session")
@@ -29,17 +31,13 @@ def redis_ns():
     return f"test-{uuid.uuid4().hex[:10]}:"
 
 
-@pytest.fixture
-def redis_store(redis_server, redis_ns):
-    from ragkv.store.redis_store import RedisStore
-
-    s = RedisStore(redis_server.url, namespace=redis_ns)
-    yield s
-    s.clear()
-    s.close()
+@pytest.fixture(params=["redis", "cluster"])
+def redis_store(request, redis_ns):
+    """Every test of the Redis backend runs on one server and on a real Redis Cluster."""
+    return open_redis(request, request.param, redis_ns)
 
 
-@pytest.fixture(params=["memory", "disk", "redis", "tiered"])
+@pytest.fixture(params=["memory", "disk", "redis", "cluster", "tiered"])
 def any_store(request, tmp_path):
     """Each kind of store; tiered = memory over disk (both written by ``put``)."""
     from ragkv.store.disk import DiskStore
@@ -50,9 +48,8 @@ def any_store(request, tmp_path):
         s = MemoryStore()
     elif request.param == "disk":
         s = DiskStore(tmp_path / "kv", fsync=False)
-    elif request.param == "redis":
-        request.applymarker(pytest.mark.redis)
-        s = request.getfixturevalue("redis_store")
+    elif request.param in ("redis", "cluster"):
+        s = open_redis(request, request.param, request.getfixturevalue("redis_ns"))
     else:
         s = TieredStore([MemoryStore(), DiskStore(tmp_path / "kv", fsync=False)])
     yield s

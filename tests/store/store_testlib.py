@@ -6,6 +6,7 @@ import json
 import struct
 import zlib
 
+import pytest
 import torch
 
 from ragkv.keys import chunk_key
@@ -59,3 +60,22 @@ def future_version(header: bytes, version: int = 2) -> bytes:
     js = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
     assert len(js) == n
     return struct.pack("<8sIII", magic, version, n, zlib.crc32(js)) + js + header[20 + n :]
+
+
+def open_redis(request, kind: str, namespace: str):
+    """A RedisStore on the session's single server (``redis``) or on its 3-master cluster
+    (``cluster``), cleared and closed after the test."""
+    from ragkv.store.redis_store import RedisStore
+
+    request.applymarker(pytest.mark.redis)
+    if kind == "cluster":
+        s = RedisStore(request.getfixturevalue("redis_cluster").client_url, namespace=namespace, cluster=True)
+    else:
+        s = RedisStore(request.getfixturevalue("redis_server").url, namespace=namespace)
+
+    def done():
+        s.clear()
+        s.close()
+
+    request.addfinalizer(done)
+    return s

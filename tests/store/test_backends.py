@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 import torch
-from store_testlib import make_entry
+from store_testlib import make_entry, open_redis
 
 from ragkv.store import StoreFull, open_store
 from ragkv.store.disk import DiskStore
@@ -18,15 +18,14 @@ from ragkv.store.entry import encode
 from ragkv.store.memory import MemoryStore
 
 
-@pytest.fixture(params=["memory", "disk", "redis"])
-def store(request, tmp_path):
+@pytest.fixture(params=["memory", "disk", "redis", "cluster"])
+def store(request, tmp_path, redis_ns):
     if request.param == "memory":
         s = MemoryStore()
     elif request.param == "disk":
         s = DiskStore(tmp_path / "kv", fsync=False)
     else:
-        request.applymarker(pytest.mark.redis)
-        s = request.getfixturevalue("redis_store")
+        s = open_redis(request, request.param, redis_ns)
     yield s
     s.close()
 

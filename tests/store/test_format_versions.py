@@ -6,7 +6,7 @@ import struct
 import zlib
 
 import pytest
-from store_testlib import future_version, make_entry
+from store_testlib import future_version, make_entry, open_redis
 
 import ragkv.store as rs
 from ragkv.store.disk import DiskStore
@@ -66,8 +66,8 @@ def _snapshot_disk(store, key):
     return store.path(key).read_bytes()
 
 
-def _redis_store(tmp_path, request):
-    return request.getfixturevalue("redis_store")
+def _redis_store(tmp_path, request, kind="redis"):
+    return open_redis(request, kind, request.getfixturevalue("redis_ns"))
 
 
 def _write_header_redis(store, key, mutate):
@@ -82,10 +82,12 @@ def _snapshot_redis(store, key):
 BACKENDS = {
     "disk": (_disk_store, _write_header_disk, _snapshot_disk),
     "redis": (_redis_store, _write_header_redis, _snapshot_redis),
+    "cluster": (lambda t, r: _redis_store(t, r, "cluster"), _write_header_redis, _snapshot_redis),
 }
 
 
-@pytest.mark.parametrize("backend", [pytest.param("disk"), pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.mark.parametrize("backend", ["disk", pytest.param("redis", marks=pytest.mark.redis),
+                                     pytest.param("cluster", marks=pytest.mark.redis)])
 @pytest.mark.parametrize("kind", list(MUTATIONS))
 def test_store_skips_a_newer_entry_counts_it_and_leaves_it_alone(tmp_path, request, caplog, backend, kind):
     make, write_header, snapshot = BACKENDS[backend]

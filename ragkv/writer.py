@@ -1,0 +1,234 @@
+"""The step of the write path that the local job (ragkv.precompute) and every Ray actor
+(ragkv.distributed) run, the same code for both:
+
+    plan          documents -> chunks (THE chunker) -> keys; per distinct key: skipped (every tier
+                  holds it), repaired (copied from a tier that holds it into those that lack it) or
+                  to compute
+    write_chunks  batches of similar lengths (policy.batches), one forward each, entries encoded and
+                  written on a background thread while the next batch computes; a chunk another
+                  process wrote meanwhile counts as skipped; STOP_AFTER consecutive write failures of
+                  one cause stop the job (``stop_reason``)
+
+``EngineSpec`` is what a worker needs to build the driver's engine (names and options, not objects).
+Every outcome goes through ``Tally.record`` (counts, and per key when ``Tally.keys`` is a list: what
+a Ray actor hands back to the driver instead of any K/V).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, replace
+
+from ragkv.chunking import chunk_spans
+from ragkv.keys import KEY_PREFIX
+from ragkv.policy import StorageFormat, batches
+
+STOP_AFTER = 3  # consecutive write failures of one cause that stop the job
+_MAX_REPORTED_ERRORS = 20
+OUTCOMES = ("new", "repaired", "skipped", "failed", "not_attempted")
+
+
+def key_shard(key: str, n: int) -> int:
+    """Shard of a chunk key: its blake2b digest mod n (stable across machines and runs)."""
+    return int(key.removeprefix(KEY_PREFIX), 16) % n
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a worker needs to build the same BlendEngine as the driver: names and options,
+    never objects (a model is loaded where it runs). ``store_uri`` may hold a password: it is passed
+    to the actors and never shown (``redact_uri``)."""
+
+    model: str = "smollm2-135m"
+    model_dtype: str = "auto"
+    store_uri: str = ""
+    sink: str = "template"
+    gap: int | None = None
+    namespace: str = ""
+    storage: StorageFormat | None = None  # None: entries in the model's dtype
+
+    def resolved(self) -> EngineSpec:
+        """'auto' replaced by this machine's choice, so machines of different kinds agree (the
+        dtype is part of every key)."""
+        from ragkv import models
+
+        return replace(self, model_dtype=str(models.parse_dtype(self.model_dtype)).removeprefix("torch."))
+
+    def build(self, store=None, config=None):
+        """The BlendEngine (``store``: an open store, else one opened from ``store_uri``)."""
+        from ragkv import models
+        from ragkv.blend import BlendEngine
+        from ragkv.policy import PrecomputePolicy
+        from ragkv.store import open_store
+
+        model, tok = models.load(self.model, dtype=self.model_dtype)
+        store = open_store(self.store_uri) if store is None else store
+        return BlendEngine(model, tok, store, config, policy=PrecomputePolicy(self.sink, self.gap),
+                           storage=self.storage, namespace=self.namespace)
+
+
+@dataclass
+class Outcome:
+    key: str  # "" for a failure that has no key (a document that could not be chunked)
+    outcome: str  # one of OUTCOMES
+    tokens: int = 0  # cached tokens written (new only)
+    nbytes: int = 0  # bytes written (new only)
+
+
+class Tally:
+    """The counters of a PrecomputeSummary-like object (``summary``), updated under one lock; with
+    ``keep_keys`` every outcome is also kept per key in ``keys`` (list of Outcome)."""
+
+    def __init__(self, summary, keep_keys: bool = False):
+        self.summary = summary
+        self.keys: list[Outcome] | None = [] if keep_keys else None
+        self.lock = threading.Lock()
+
+    def record(self, key: str, outcome: str, tokens: int = 0, nbytes: int = 0) -> None:
+        s = self.summary
+        with self.lock:
+            if outcome == "new":
+                s.new, s.tokens, s.bytes_written = s.new + 1, s.tokens + tokens, s.bytes_written + nbytes
+            elif outcome != "not_attempted":
+                setattr(s, outcome, getattr(s, outcome) + 1)
+            if self.keys is not None:
+                self.keys.append(Outcome(key, outcome, tokens, nbytes))
+
+    def note(self, msg: str) -> None:
+        with self.lock:
+            if len(self.summary.errors) < _MAX_REPORTED_ERRORS:
+                self.summary.errors.append(msg)
+
+
+def triage(store, key: str) -> str:
+    """'skipped' (every tier holds a valid entry), 'repaired' (copied from the tier that holds it
+    into those that lack it) or 'todo'."""
+    lacking = len(store.missing_tiers(key))
+    if lacking == 0:
+        return "skipped"
+    if lacking < len(getattr(store, "tiers", [store])) and store.fill(key):
+        return "repaired"
+    return "todo"
+
+
+def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None) -> list[tuple[str, list[int]]]:
+    """Chunk every document and triage each distinct chunk of ``shard`` ((I, N) or None): the
+    chunks to compute, as (key, token ids). ``summary.chunks`` = distinct chunks seen."""
+    template, store = engine.template, engine.store
+    seen: set[str] = set()
+    todo: list[tuple[str, list[int]]] = []
+    done_chars = 0
+    for doc_id, text in docs:
+        try:
+            spans = chunk_spans(text, template, chunk_tokens,
+                                progress=None if bar is None else lambda c, d=done_chars: bar.update(d + c - bar.n))
+        except Exception as e:  # one pathological document must not stop the corpus
+            tally.record("", "failed")
+            tally.note(f"chunking {doc_id}: {type(e).__name__}: {e}")
+            continue
+        done_chars += len(text)
+        if bar is not None:
+            bar.update(done_chars - bar.n)
+            bar.set_postfix_str(f"{len(seen)} chunks", refresh=False)
+        for s, e in spans:
+            ids = template.chunk_ids(text[s:e])
+            key = engine.chunk_key(ids)
+            if (shard and key_shard(key, shard[1]) != shard[0]) or key in seen:
+                continue
+            seen.add(key)
+            verdict = triage(store, key)
+            if verdict == "todo":
+                todo.append((key, ids))
+            else:
+                tally.record(key, verdict)
+    tally.summary.chunks = len(seen)
+    return todo
+
+
+class EntryWriter:
+    """Encodes and writes entries on one background thread; ``submit`` blocks when ``depth`` batches
+    are already waiting (bounds memory). ``stop_reason`` is set after STOP_AFTER consecutive write
+    failures of one cause; the job then stops submitting."""
+
+    def __init__(self, engine, tally: Tally, on_done, depth: int = 1):
+        self.engine, self.tally, self.on_done = engine, tally, on_done
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop_reason: str | None = None
+        self.written: set[str] = set()  # keys given an outcome here
+        self._streak: tuple[str, int] = ("", 0)
+        self.thread = threading.Thread(target=self._run, name="ragkv-precompute-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, batch, kvs) -> None:
+        while True:
+            try:
+                return self.q.put((batch, kvs), timeout=1.0)
+            except queue.Full:
+                if not self.thread.is_alive():
+                    raise RuntimeError("the precompute writer thread died") from None
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.q.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        eng = self.engine
+        while (item := self.q.get()) is not None:
+            batch, kvs = item
+            for (key, ids), kv in zip(batch, kvs):
+                if self.stop_reason:  # stopping: the rest is left for the rerun, not attempted
+                    break
+                self.written.add(key)
+                try:
+                    wrote = eng.write_entry(key, ids, kv)
+                    if not wrote and eng.store.missing_tiers(key):  # e.g. every tier failed (logged)
+                        raise RuntimeError("the store took nothing (see its log)")
+                except Exception as e:  # a failed write never aborts the job by itself
+                    self._failed(key, e)
+                    continue
+                self._streak = ("", 0)
+                # 0 bytes: another process wrote it meanwhile
+                self.tally.record(key, "new" if wrote else "skipped", len(ids) if wrote else 0, wrote)
+                self.on_done(1, len(ids) if wrote else 0)
+            del kvs
+
+    def _failed(self, key: str, e: Exception) -> None:
+        cause = type(e).__name__ + str(getattr(e.__cause__, "errno", "") or "")
+        self.tally.record(key, "failed")
+        self.tally.note(f"write of {key}: {type(e).__name__}: {e}")
+        n = self._streak[1] + 1 if self._streak[0] == cause else 1
+        self._streak = (cause, n)
+        if n >= STOP_AFTER and self.stop_reason is None:
+            self.stop_reason = f"{n} writes in a row failed with {type(e).__name__}: {e}"
+        self.on_done(1, 0)
+
+
+def write_chunks(engine, todo, batch_tokens: int, tally: Tally, on_done=lambda n_chunks, n_tokens: None):
+    """Prefill and write every (key, ids) of ``todo``; -> the stop reason (None: every chunk was
+    attempted). Chunks left unattempted by a stop are recorded as 'not_attempted'."""
+    writer = EntryWriter(engine, tally, on_done)
+    try:
+        for group in batches([len(ids) for _, ids in todo], len(engine.sink_ids), batch_tokens):
+            if writer.stop_reason:
+                break
+            batch = [todo[i] for i in group]
+            try:
+                kvs = engine.prefill_chunks([ids for _, ids in batch], batch_tokens)
+            except Exception as e:
+                for key, _ in batch:
+                    writer.written.add(key)
+                    tally.record(key, "failed")
+                tally.note(f"prefill of {len(batch)} chunks: {type(e).__name__}: {e}")
+                on_done(len(batch), 0)
+                continue
+            writer.submit(batch, kvs)
+            del kvs
+    finally:
+        writer.close()
+    if writer.stop_reason:
+        for key, _ in todo:
+            if key not in writer.written:
+                tally.record(key, "not_attempted")
+    return writer.stop_reason
