@@ -26,7 +26,7 @@ class ServeProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 180.0) -> ServeProcess:
+    def start(self, timeout: float = 600.0) -> ServeProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # 2 shared cores: no oversubscription
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
@@ -38,8 +38,9 @@ class ServeProcess:
                     return self
             except httpx.TransportError:
                 time.sleep(0.2)
+        out = self.output()
         self.stop()
-        raise TimeoutError(f"ragkv serve did not answer /health within {timeout} s:\n{self.output()}")
+        raise TimeoutError(f"ragkv serve did not answer /health within {timeout} s:\n{out}")
 
     def output(self) -> str:
         self.log.flush()
