@@ -259,3 +259,27 @@ def test_metrics_are_prometheus_text(server):
     m = server.metrics()
     assert m['ragkv_ttft_seconds_bucket{le="+Inf"}'] == m["ragkv_ttft_seconds_count"] > 0
     assert m['ragkv_requests_total{status="200"}'] > 0 and m["ragkv_chunk_hits_total"] > 0
+
+
+def test_server_errors_never_leak_a_traceback(tiny_smollm2):
+    """An engine that fails inside a request (fault injected: the prefill raises) -> a 500 that says
+    only that; the details stay in the server log."""
+    from fastapi.testclient import TestClient
+
+    from ragkv.blend import BlendEngine
+    from ragkv.integrations.serve import create_app
+
+    class Broken(BlendEngine):
+        def prefill_prompt(self, prompt, ratio=None):
+            raise RuntimeError("secret internal detail")
+
+    model, tok = tiny_smollm2
+    app = create_app(Broken(model, tok, open_store("memory")), MODEL)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "documents": ["a doc"]}
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        for stream in (False, True):
+            r = tc.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert r.status_code == 500
+            assert r.json()["error"]["type"] == "server_error"
+            assert "secret" not in r.text and "Traceback" not in r.text
+        assert tc.get("/health").json()["queue_depth"] == 0  # the failed requests gave their places back
