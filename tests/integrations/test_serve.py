@@ -283,3 +283,19 @@ def test_server_errors_never_leak_a_traceback(tiny_smollm2):
             assert r.json()["error"]["type"] == "server_error"
             assert "secret" not in r.text and "Traceback" not in r.text
         assert tc.get("/health").json()["queue_depth"] == 0  # the failed requests gave their places back
+
+
+def test_cli_finds_serve_through_its_entry_point():
+    from click.testing import CliRunner
+
+    from ragkv.cli import main
+
+    runner = CliRunner()
+    listing = runner.invoke(main, ["--help"])
+    assert listing.exit_code == 0 and "serve" in listing.output
+    help_ = runner.invoke(main, ["serve", "--help"])
+    assert help_.exit_code == 0 and "--max-queue" in help_.output and "--ratio" in help_.output
+    bad = runner.invoke(main, ["serve", "--store", "memory", "--ratio", "2"])
+    assert bad.exit_code == 2 and "--ratio" in bad.output and "'2'" in bad.output
+    bad = runner.invoke(main, ["serve", "--store", "nosuch://x"])
+    assert bad.exit_code == 2 and "--store" in bad.output
