@@ -131,6 +131,16 @@ def run_mode(name: str, args, rows: list[dict], done: list[dict], meta: dict) ->
             server.stop()
 
 
+def table(results: list[dict]) -> str:
+    rows = ["| mode | clients | requests | errors | TTFT p50 s | TTFT p99 s | server TTFT p50 s | latency p50 s | req/s | cached tokens / prompt tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rows.append(f"| {r['mode']} | {r['clients']} | {r['requests']} | {len(r['errors'])} | {r['ttft_p50']:.2f} | "
+                    f"{r['ttft_p99']:.2f} | {r['server_ttft_p50']:.2f} | {r['latency_p50']:.2f} | {r['req_per_s']:.3f} | "
+                    f"{r['cached_tokens_mean']:.0f} / {r['prompt_tokens_mean']:.0f} |")
+    return "\n".join(rows)
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -148,7 +158,10 @@ def plot(results: list[dict], path: Path) -> None:
     ax2.set(xlabel="concurrent clients", ylabel="requests / s", title="throughput", xticks=[1, 4, 8])
     ax1.legend(fontsize=8)
     ax2.legend(fontsize=8)
-    fig.suptitle("ragkv serve, SmolLM2-135M, 12 example questions, loopback")
+    ax1.set_ylim(bottom=0)
+    ax2.set_ylim(bottom=0)
+    n = max(r["requests"] for r in results)
+    fig.suptitle(f"ragkv serve, SmolLM2-135M, {n} example questions per level, loopback, nice 19 on a shared CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -163,12 +176,14 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="only the first N questions (a quick check)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     ap.add_argument("--out", type=Path, default=HERE)
-    ap.add_argument("--plot-only", action="store_true", help="redraw ttft.png from --out/results.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw ttft.png and print the table from --out/results.json")
     args = ap.parse_args()
     rows = [json.loads(line) for line in (ROOT / "examples/data/questions.jsonl").read_text().splitlines()]
     rows = rows[: args.limit]
     if args.plot_only:
-        plot(json.loads((args.out / "results.json").read_text())["results"], args.out / "ttft.png")
+        done = json.loads((args.out / "results.json").read_text())["results"]
+        plot(done, args.out / "ttft.png")
+        print(table(done))
         return
     t0 = time.time()
     meta = {"command": " ".join(sys.argv), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -180,6 +195,7 @@ def main() -> None:
     meta["seconds"] = time.time() - t0
     save(args, meta, results)
     plot(results, args.out / "ttft.png")
+    print(table(results))
     print(json.dumps(meta))
 
 
