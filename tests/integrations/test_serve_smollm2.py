@@ -24,7 +24,7 @@ def test_smollm2_done_when(tmp_path, smollm2):
     store = f"disk://{tmp_path}/store"
     server = ServeProcess(MODEL, store, "--threads", "1", model_dtype="auto").start()  # as the fixture
     try:
-        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=1800)
 
         def ask(row, **kw):
             return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row["question"]}],
