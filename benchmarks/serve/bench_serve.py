@@ -136,7 +136,7 @@ def run_mode(name: str, args, rows: list[dict], done: list[dict], meta: dict) ->
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| mode | clients | requests | errors | TTFT p50 s | TTFT p99 s | server TTFT p50 s | latency p50 s | req/s | cached tokens / prompt tokens |",
+    rows = ["| mode | clients | requests | errors | TTFT p50 s | TTFT p99 s | server TTFT median s | latency median s | req/s | cached tokens / prompt tokens (mean) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         rows.append(f"| {r['mode']} | {r['clients']} | {r['requests']} | {len(r['errors'])} | {r['ttft_p50']:.2f} | "
