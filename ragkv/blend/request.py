@@ -77,6 +77,7 @@ class BlendRequest:
         stats.t_compute += time.perf_counter() - tc
         selected = self.active[(self.active >= self.P) & (self.active < self.P + self.C)]
         stats.recomputed_tokens = int(selected.numel())
+        stats.cached_tokens = self._cached_tokens(selected)
         return BlendResult(self.input_ids, logits, handoff, stats, selected)
 
     def _take(self, li: int, first: int) -> dict | None:
@@ -138,6 +139,15 @@ class BlendRequest:
         return hidden
 
     # ------------------------------------------------------------------ helpers
+
+    def _cached_tokens(self, selected: torch.Tensor) -> int:
+        """Chunk tokens whose K/V came from the store and were not recomputed in the last layer."""
+        stored = torch.zeros(self.T, dtype=torch.bool)
+        for seg in self.segments:
+            if not seg.is_prefix and seg.layers is None:
+                stored[seg.start : seg.end] = True
+        stored[selected.cpu()] = False
+        return int(stored.sum())
 
     def _initial(self, chunk_rows: torch.Tensor) -> torch.Tensor:
         """Positions active from layer 0: the chunk rows (relative to P) + the suffix, + the prefix

@@ -20,6 +20,10 @@ class BlendStats:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # chunk tokens served from the store
     recomputed_tokens: int = 0  # chunk tokens recomputed in the last layer
+    # chunk tokens read from the store and not recomputed in the last layer (an entry that failed
+    # mid-request and was computed instead does not count): what `ragkv serve` reports as
+    # usage.prompt_tokens_details.cached_tokens. 0 at ratio 1 (every chunk token recomputed).
+    cached_tokens: int = 0
     t_lookup: float = 0.0
     t_load: float = 0.0  # time the compute thread waited for stored layers
     t_load_io: float = 0.0  # the loader's own read time

@@ -1,0 +1,188 @@
+"""The FastAPI app of ``ragkv serve``: OpenAI chat completions answered from cached chunks.
+
+    POST /v1/chat/completions   OpenAI request/response (+ ``documents``), ``stream: true`` as SSE
+    GET  /v1/models             the one served model
+    GET  /health                liveness + queue depth
+    GET  /metrics               Prometheus text (ragkv.integrations.serve.metrics)
+
+Model work never runs on the event loop: each request is a prefill step then one step per token on
+the worker thread (ragkv.integrations.serve.worker). Between steps the request checks its client: a
+client that went away stops its generation (counted in ``ragkv_requests_cancelled_total``).
+Errors are OpenAI-style JSON (``{"error": {message, type, param, code}}``); an unexpected one is a
+500 whose body says only that, the traceback goes to the server log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ragkv.store.errors import StoreError
+
+from .chat import Generation
+from .metrics import Metrics
+from .protocol import ApiError, chunk, completion, new_id, parse_request, sse, usage
+from .worker import Worker
+
+log = logging.getLogger("ragkv.serve")
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, default_max_tokens: int = 256,
+               close_store: bool = True) -> FastAPI:
+    """The app serving ``engine`` (a BlendEngine) as ``model_id``. ``ratio``: the recompute ratio of
+    every request (None: the engine's config). On shutdown the queued steps are dropped, the running
+    one finishes, and the engine's store is closed (``close_store``)."""
+    worker, metrics = Worker(max_queue), Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        log.info("serving %s on store %s (ratio %s)", model_id, engine.store.uri, ratio or engine.config.ratio)
+        yield
+        worker.close()
+        if close_store:
+            engine.store.close()
+            log.info("store %s closed", engine.store.uri)
+
+    app = FastAPI(title="ragkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker, app.state.metrics = worker, metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                       code=kind if e.status_code == 404 else None, type_=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        return error_response(ApiError(422, f"invalid request: {e.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, e: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        metrics.answered(500)
+        return error_response(ApiError(500, "internal server error (see the server log)", type_="server_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, "queue_depth": worker.admitted, "queue_limit": worker.max_queue}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(worker.admitted, worker.max_queue),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    model_card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "ragkv"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_id:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_id!r}",
+                           "model", "model_not_found")
+        return model_card
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        t0 = time.perf_counter()
+        try:
+            req = parse_request(await request.body(), model_id)
+            worker.admit()
+        except ApiError as e:
+            metrics.answered(e.status)
+            if e.status == 429:
+                metrics.add("requests_rejected")
+            return error_response(e)
+        gen = Generation(engine, req, default_max_tokens, ratio)
+        try:
+            await worker.run(gen.prefill, t0)
+        except BaseException as e:
+            _finish(gen, t0, None)
+            if isinstance(e, StoreError):  # messages name the store with its secrets masked
+                e = ApiError(503, f"the K/V store is unavailable: {e}", code="store_unavailable", type_="server_error")
+            if isinstance(e, ApiError):
+                metrics.answered(e.status)
+                return error_response(e)
+            raise
+        _account_prefill(gen)
+        if req.stream:
+            return StreamingResponse(_events(gen, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        status = None
+        try:
+            while not gen.done:
+                if await request.is_disconnected():
+                    metrics.add("requests_cancelled")
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+                await worker.run(gen.step)
+            status = 200
+        finally:
+            _finish(gen, t0, status)
+        return JSONResponse(completion(new_id(), model_id, gen.take_delta(), gen.finish, _usage(gen),
+                                       gen.stats_dict()))
+
+    async def _events(gen: Generation, t0: float):
+        rid, status = new_id(), None
+        try:
+            yield chunk(rid, model_id, {"role": "assistant", "content": ""})
+            while True:
+                delta = gen.take_delta()
+                if delta:
+                    yield chunk(rid, model_id, {"content": delta})
+                if gen.done:
+                    break
+                await worker.run(gen.step)
+            yield chunk(rid, model_id, {}, gen.finish, ragkv=gen.stats_dict())
+            if gen.req.include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                           "model": model_id, "choices": [], "usage": _usage(gen)})
+            yield sse("[DONE]")
+            status = 200
+        except (asyncio.CancelledError, GeneratorExit):
+            metrics.add("requests_cancelled")
+            raise
+        except Exception:
+            log.exception("stream %s failed", rid)
+            status = 500
+            yield sse(ApiError(500, "internal server error (see the server log)", type_="server_error").body())
+        finally:
+            _finish(gen, t0, status)
+
+    def _usage(gen: Generation) -> dict:
+        return usage(gen.prompt_tokens, len(gen.ids), gen.cached_tokens)
+
+    def _account_prefill(gen: Generation) -> None:
+        metrics.observe_ttft(gen.ttft)
+        metrics.add("prompt_tokens", gen.prompt_tokens)
+        if gen.stats is not None:
+            metrics.add("chunk_hits", gen.stats.hits)
+            metrics.add("chunk_misses", gen.stats.misses)
+            metrics.add("recomputed_tokens", gen.stats.recomputed_tokens)
+            metrics.add("cached_tokens", gen.stats.cached_tokens)
+
+    def _finish(gen: Generation, t0: float, status: int | None) -> None:
+        """Every admitted request ends here once: its place and its K/V are given back."""
+        metrics.add("completion_tokens", len(gen.ids))
+        if status is not None:
+            metrics.answered(status)
+        worker.after(gen.close)  # behind a step of this request that may still be running
+        worker.release(time.perf_counter() - t0 if status == 200 else None)
+
+    return app

@@ -1,0 +1,93 @@
+"""``ragkv serve``: registered under the entry-point group ``ragkv.commands`` (pyproject), so the core
+CLI finds it without importing the integrations. Only click is imported here; fastapi, uvicorn and the
+model load when the command runs."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import click
+
+from ragkv.cli import _check, _engine, _model_options, _open_store, _policy_options
+
+
+def _ratio(ctx, param, value: str):
+    if value == "auto":
+        return value
+    try:
+        r = float(value)
+    except ValueError:
+        r = -1.0
+    if not 0.0 <= r <= 1.0:
+        raise click.BadParameter(f"a number in [0, 1] or 'auto', got {value!r}")
+    return r
+
+
+@click.command("serve")
+@click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE",
+              help="store URI(s), comma-separated = tiers (env RAGKV_STORE)")
+@_model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (loopback by default)")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--ratio", default="0.15", show_default=True, callback=_ratio,
+              help="fraction of reused chunk tokens recomputed: 0..1 (1 = full prefill) or 'auto'")
+@click.option("--selector", default="deviation", show_default=True,
+              help="which chunk tokens are recomputed (deviation, query, hybrid)")
+@click.option("--max-queue", default=32, show_default=True, type=click.IntRange(1, None),
+              help="requests admitted at once (running or waiting); more get 429 + Retry-After")
+@click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=click.IntRange(1, None),
+              help="max_tokens of a request that sets none")
+@click.option("--served-model-name", default=None, help="the model id clients send  [default: --model]")
+@click.option("--namespace", default="", help="cache salt; must match the precompute job's")
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(0, None),
+              help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+@click.option("--threads", type=click.IntRange(1, None), default=None,
+              help="torch intra-op threads of the model  [default: torch's]")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@_policy_options
+def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_queue, default_max_tokens,
+          served_model_name, namespace, shutdown_timeout, threads, log_level, sink, gap):
+    """OpenAI-compatible chat completions answered from cached chunks (needs ragkv[serve]).
+
+    \b
+    POST /v1/chat/completions  (messages + "documents": each one cached chunk; stream: true = SSE)
+    GET  /v1/models  /health  /metrics (Prometheus)
+    Stops cleanly on SIGTERM: in-flight requests get --shutdown-timeout seconds, the store is closed.
+    """
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        raise click.ClickException(f"`ragkv serve` needs its extra ({e}); install it with: "
+                                   "pip install 'ragkv[serve]'") from None
+    from ragkv.blend import SELECTORS, BlendConfig
+
+    if selector not in SELECTORS:
+        raise click.BadParameter(f"{selector!r}; valid: {', '.join(sorted(SELECTORS))}", param_hint="--selector")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = _open_store(store_uri)
+    try:
+        _check([store])
+        engine = _engine(model_name, model_dtype, store, BlendConfig(ratio=ratio, selector=selector), sink=sink,
+                         gap=gap, namespace=namespace)
+    except BaseException:
+        store.close()
+        raise
+    model_id = served_model_name or (Path(model_name).name if Path(model_name).is_dir() else model_name)
+    app = create_app(engine, model_id, max_queue=max_queue, default_max_tokens=default_max_tokens)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                            access_log=log_level == "debug")
+    # uvicorn re-raises the signal it stopped on once it has shut down; with these handlers in place that
+    # ends nothing, so a clean shutdown (in-flight requests done, store closed) exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run()
+    click.echo("ragkv serve: stopped", err=True)
