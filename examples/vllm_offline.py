@@ -16,6 +16,7 @@ import os
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: one ragkv model copy
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no core pinning on a shared machine
 
 DOCS = [
     "The lighthouse at Kerran Point was built in 1871 by the engineer Ada Morrow. Its lamp was converted "
