@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-if importlib.util.find_spec("vllm") is None:
+_spec = importlib.util.find_spec("vllm")
+if _spec is None or _spec.origin is None:  # not installed (a bare namespace is no vLLM)
     collect_ignore_glob = ["test_*.py"]
 else:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the test process hosts the engine
