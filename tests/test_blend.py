@@ -40,6 +40,11 @@ def config(**cfg) -> BlendConfig:
     return BlendConfig(selector=DeviationSelector(**sel), **cfg)
 
 
+def cache_arg(model, cache) -> dict:
+    """The forward's cache argument under the installed transformers' name (the adapter's)."""
+    return {ModelAdapter.of(model).cache_kw: cache}
+
+
 def engine(model, **cfg) -> BlendEngine:
     return BlendEngine(model, None, MemoryStore(), config=config(**cfg), template=TEMPLATE)
 
@@ -54,7 +59,7 @@ def test_rerotation_equals_prefill_at_new_offset_every_layer(rope):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             model.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(offset, offset + 37)[None],
-                        cache=cache, use_cache=True)
+                        use_cache=True, **cache_arg(model, cache))
         delta = torch.full((37,), offset)
         for li, (k0, _) in enumerate(stored):
             moved = ops.rope_shift(k0, delta, inv_freq)
@@ -112,7 +117,7 @@ def _store_exact_caches(eng: BlendEngine, model, prompt: Prompt) -> None:
     the cached K/V are then exact, so blending at any ratio must reproduce full prefill."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model.model(input_ids=torch.tensor([prompt.input_ids]), cache=cache, use_cache=True)
+        model.model(input_ids=torch.tensor([prompt.input_ids]), use_cache=True, **cache_arg(model, cache))
     pieces = [(eng.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix-v1")]
     pieces += [(eng.chunk_key(ids), ids, s, eng.policy_id) for ids, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
     for key, ids, start, policy in pieces:
@@ -156,7 +161,7 @@ def test_recompute_attends_causally_by_original_position(kind, attn, monkeypatch
     full = full_logits(model, prompt)
     exact = DynamicCache(config=model.config)
     with torch.no_grad():
-        model.model(input_ids=torch.tensor([prompt.input_ids]), cache=exact, use_cache=True)
+        model.model(input_ids=torch.tensor([prompt.input_ids]), use_cache=True, **cache_arg(model, exact))
     last = eng.adapter.num_layers - 1
     res = eng.prefill_prompt(prompt, ratio=5 / 68)
     assert res.selected.tolist() == expect
@@ -193,8 +198,8 @@ def _naive_reference(model, eng: BlendEngine, prompt: Prompt):
     ctx = cache.get_seq_length()
     suffix = torch.tensor([prompt.suffix_ids])
     with torch.no_grad():
-        out = model(suffix, cache=cache, use_cache=True, position_ids=torch.arange(ctx, ctx + suffix.shape[1])[None])
-    return out.logits[0, -1], out.cache
+        logits, cache = ModelAdapter.of(model).forward(suffix, cache, torch.arange(ctx, ctx + suffix.shape[1])[None])
+    return logits[0, -1], cache
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])

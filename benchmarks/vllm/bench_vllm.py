@@ -1,0 +1,126 @@
+"""TTFT of vLLM with RagKVConnector vs vLLM's own full prefill, per ratio, with fidelity.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/vllm/bench_vllm.py --prompts 8 --ratios 0,0.15,0.3,1
+
+Prompts: the test split of the 4-genre blend set (benchmarks/blend/data), chunks precomputed into a
+disk store first. vLLM: SmolLM2-135M-Instruct bf16, prefix caching off, eager. Per prompt and setting
+one warm request with max_tokens=1 (TTFT = wall time of llm.generate, request in -> first token out),
+then greedy answers of --new-tokens tokens for fidelity against vLLM's own full prefill:
+first-token agreement, identical leading tokens, and whether the gold answer is in the text.
+Writes results/vllm.md and results/vllm.json (+ vllm.png with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+DATA = Path(__file__).resolve().parents[1] / "blend" / "data"
+OUT = Path(__file__).resolve().parent / "results"
+
+
+def load_prompts(n: int) -> list[dict]:
+    chunks = {c["id"]: c["text"] for c in map(json.loads, (DATA / "chunks.jsonl").open())}
+    rows = [p for p in map(json.loads, (DATA / "prompts.jsonl").open()) if p["split"] == "test"]
+    picked = rows[:: max(1, len(rows) // n)][:n]
+    return [{**p, "contexts": [chunks[c] for c in p["chunks"]]} for p in picked]
+
+
+def run(llm, ids, max_tokens, extra):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, extra_args={"kv_transfer_params": extra})
+    t0 = time.perf_counter()
+    out = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0]
+    return time.perf_counter() - t0, list(out.outputs[0].token_ids), out.outputs[0].text, \
+        (out.kv_transfer_params or {}).get("ragkv") or {}
+
+
+def lead(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--ratios", default="0,0.15,0.3,1")
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--store", default="disk:///tmp/ragkv-bench-vllm")
+    args = ap.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",")]
+
+    import torch
+    from vllm import LLM
+
+    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
+    from ragkv.models import convert_smollm2
+
+    model_dir = str(convert_smollm2())
+    engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": args.store}))
+    prompts = load_prompts(args.prompts)
+    for p in prompts:
+        engine.ensure(p["contexts"])
+        p["ids"] = engine.build_prompt(p["question"], p["contexts"]).input_ids
+    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=8192, block_size=32, seed=0,
+              kv_transfer_config={"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
+                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                  "kv_connector_extra_config": {"store": args.store}})
+    settings = [("vLLM full prefill", {"ragkv_skip": True})] + [(f"ragkv r={r:g}", {"ragkv_ratio": r}) for r in ratios]
+    run(llm, prompts[0]["ids"], 1, {"ragkv_skip": True})  # warm-up
+    rows = {name: {"ttft": [], "first": [], "lead": [], "answer": [], "offered": 0} for name, _ in settings}
+    for p in prompts:
+        ref = None
+        for name, extra in settings:
+            ttft = min(run(llm, p["ids"], 1, extra)[0] for _ in range(args.repeats))
+            _, toks, text, info = run(llm, p["ids"], args.new_tokens, extra)
+            ref = toks if ref is None else ref
+            r = rows[name]
+            r["ttft"].append(ttft)
+            r["first"].append(toks[:1] == ref[:1])
+            r["lead"].append(lead(toks, ref))
+            r["answer"].append(p["answer"].lower() in text.lower())
+            r["offered"] += bool(info.get("offered"))
+        print(p["id"], len(p["ids"]), "tokens", {n: round(rows[n]["ttft"][-1], 3) for n, _ in settings}, flush=True)
+    n_tok = statistics.mean(len(p["ids"]) for p in prompts)
+    lines = [f"prompts: {len(prompts)} (test split, mean {n_tok:.0f} tokens), SmolLM2-135M bf16, vLLM "
+             f"{__import__('vllm').__version__}, block 32, prefix caching off, {torch.get_num_threads()} threads", "",
+             "| setting | TTFT median (s) | speed-up | offered | first token = full | identical leading tokens (of "
+             f"{args.new_tokens}) | gold answer in text |", "|---|---|---|---|---|---|---|"]
+    base = statistics.median(rows[settings[0][0]]["ttft"])
+    for name, _ in settings:
+        r = rows[name]
+        med = statistics.median(r["ttft"])
+        lines.append(f"| {name} | {med:.3f} | {base / med:.2f}x | {r['offered']}/{len(prompts)} | "
+                     f"{sum(r['first'])}/{len(prompts)} | {statistics.mean(r['lead']):.1f} | "
+                     f"{sum(r['answer'])}/{len(prompts)} |")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "vllm.md").write_text("\n".join(lines) + "\n")
+    (OUT / "vllm.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        names = [n for n, _ in settings]
+        ax.bar(names, [statistics.median(rows[n]["ttft"]) for n in names])
+        ax.set_ylabel("median TTFT (s)")
+        ax.set_title("vLLM TTFT: RagKVConnector vs full prefill")
+        fig.tight_layout()
+        fig.savefig(OUT / "vllm.png", dpi=110)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

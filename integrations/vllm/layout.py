@@ -1,0 +1,117 @@
+"""Recognise a prompt that ragkv's ``PromptTemplate`` built from its token ids alone.
+
+    ids = prefix | chunk_1 .. chunk_n | suffix          (ragkv.prompt)
+
+The template fixes the prefix (system + user-turn header), the head of the question
+(``question_format`` up to ``{question}``) and the tail (end of the user turn + assistant header),
+and every chunk is ``tokenize(text.strip() + separator)``. So the prefix and the suffix are found by
+their ids, and a chunk can only end right after the separator's ids. No marker string is added to the
+prompt: the separator is the template's own paragraph break, which a chunk may also contain inside.
+
+Which of those candidate boundaries are real chunk boundaries is read from the store: the split that
+covers the most tokens with stored entries wins (fewest segments on ties); text not covered by a
+stored entry is split at every candidate boundary, so a write-back of that text is found again by the
+same rule on the next request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ragkv.prompt import Prompt, PromptTemplate
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return list(a[:n])
+
+
+def _find_last(seq: Sequence[int], sub: Sequence[int], start: int) -> int:
+    """Index of the last occurrence of ``sub`` in ``seq[start:]``, or -1."""
+    n = len(sub)
+    for i in range(len(seq) - n, start - 1, -1):
+        if list(seq[i:i + n]) == list(sub):
+            return i
+    return -1
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """The ids a template puts around and between chunks, found once per tokenizer."""
+
+    template: PromptTemplate
+    head_ids: tuple[int, ...]  # the question format's ids before the question
+    sep_ids: tuple[int, ...]  # the separator's ids at the end of every chunk
+
+    @classmethod
+    def for_template(cls, template: PromptTemplate) -> PromptLayout:
+        a, b = template.suffix_ids("a"), template.suffix_ids("Zebra 42?")
+        head = _common_prefix(a, b)
+        tok = template.tokenizer
+        plain = tok("word", add_special_tokens=False)["input_ids"]
+        with_sep = tok("word" + template.separator, add_special_tokens=False)["input_ids"]
+        if not head or with_sep[:len(plain)] != plain or len(with_sep) == len(plain):
+            raise ValueError("this tokenizer merges the template's question head or separator with its "
+                             "neighbours; chunk boundaries cannot be recognised from token ids")
+        return cls(template, tuple(head), tuple(with_sep[len(plain):]))
+
+    def regions(self, ids: Sequence[int]) -> tuple[int, int] | None:
+        """(start, end) of the chunk region of ``ids``, or None when ``ids`` is not this template's
+        prompt (prefix, question head, tail or a separator at the region's end missing)."""
+        t = self.template
+        p, tail = len(t.prefix_ids), list(t.tail_ids)
+        if list(ids[:p]) != list(t.prefix_ids) or (tail and list(ids[len(ids) - len(tail):]) != tail):
+            return None
+        s = _find_last(ids, self.head_ids, p)
+        if s <= p or list(ids[s - len(self.sep_ids):s]) != list(self.sep_ids):
+            return None
+        return p, s
+
+    def boundaries(self, ids: Sequence[int], start: int, end: int) -> list[int]:
+        """Candidate chunk ends in ids[start:end]: right after each separator (and ``end``)."""
+        n, sep = len(self.sep_ids), list(self.sep_ids)
+        cuts = [i + n for i in range(start, end - n + 1) if list(ids[i:i + n]) == sep]
+        return [start, *[c for c in cuts if start < c < end], end]
+
+    def parse(self, ids: Sequence[int], stored: Callable[[list[int]], bool],
+              max_chunk_tokens: int | None = None) -> tuple[Prompt, list[bool]] | None:
+        """The ``Prompt`` of ``ids`` and, per chunk, whether ``stored(chunk_ids)``; None when ``ids``
+        is not this template's prompt. ``stored`` is asked about spans between candidate boundaries
+        (at most ``max_chunk_tokens`` long)."""
+        ids = [int(t) for t in ids]
+        reg = self.regions(ids)
+        if reg is None:
+            return None
+        start, end = reg
+        cuts = self.boundaries(ids, start, end)
+        k = len(cuts)
+        # best[j] = (stored tokens, -segments) of the best split of ids[start:cuts[j]]
+        best: list[tuple[int, int]] = [(0, 0)] + [(-1, 0)] * (k - 1)
+        back: list[tuple[int, bool]] = [(0, False)] * k
+        for j in range(1, k):
+            for i in range(j - 1, -1, -1):
+                span = cuts[j] - cuts[i]
+                if max_chunk_tokens is not None and span > max_chunk_tokens:
+                    break
+                if best[i][0] < 0:
+                    continue
+                hit = stored(ids[cuts[i]:cuts[j]])
+                if not hit and i != j - 1:
+                    continue  # text no entry covers is split at every boundary
+                score = (best[i][0] + (span if hit else 0), best[i][1] - 1)
+                if score > best[j]:
+                    best[j], back[j] = score, (i, hit)
+        if best[k - 1][0] < 0:
+            return None  # a paragraph longer than max_chunk_tokens
+        chunks, flags, j = [], [], k - 1
+        while j > 0:
+            i, hit = back[j]
+            chunks.append(ids[cuts[i]:cuts[j]])
+            flags.append(hit)
+            j = i
+        chunks.reverse()
+        flags.reverse()
+        return Prompt(ids[:start], chunks, ids[end:]), flags

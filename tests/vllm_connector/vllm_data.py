@@ -1,0 +1,10 @@
+"""Short documents the connector tests ask about (facts SmolLM2 does not know)."""
+
+DOCS = [
+    "The lighthouse at Kerran Point was built in 1871 by the engineer Ada Morrow. Its lamp was converted "
+    "to electricity in 1932 and automated in 1988.",
+    "Kerran Point lies on the north coast, twelve miles from the harbour town of Vell. The headland is "
+    "known for puffins in early summer.",
+    "Ferries to Vell leave twice a day in summer and once a day in winter, from the old pier.",
+    "The Vell museum keeps the lighthouse's first lens, a Fresnel lens made in Paris.",
+]
