@@ -66,4 +66,5 @@ $(VLLM_STAMP): pyproject.toml
 
 # the connector's tests and ragkv's transformers seam on vLLM's transformers
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q tests/vllm_connector tests/test_blend.py tests/integrations/test_hf_generate.py
+	$(VLLM_PY) -m pytest -q tests/vllm_connector tests/integrations/test_vllm_layout.py
+	$(VLLM_PY) -m pytest -q tests/test_blend.py -k 'ratio_one or rerotation or causally'
