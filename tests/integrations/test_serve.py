@@ -98,6 +98,26 @@ def test_plain_chat_is_hf_generate(server, tiny_smollm2):
     assert r.choices[0].message.content == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def test_llama_index_openai_like_sends_documents(server):
+    """README's recipe: LlamaIndex's OpenAILike pointed at the server, retrieved text as `documents`."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    llm = OpenAILike(model=MODEL, api_base=f"{server.url}/v1", api_key="unused", is_chat_model=True,
+                     context_window=2048, max_tokens=8, temperature=0, max_retries=0, timeout=120)
+    docs, question = fresh_docs(), "Who designed the lighthouse?"
+    messages = [ChatMessage(role="user", content=question)]
+    first = llm.chat(messages, extra_body={"documents": docs})
+    again = llm.chat(messages, extra_body={"documents": docs})
+    s1, s2 = first.raw.model_extra["ragkv"], again.raw.model_extra["ragkv"]
+    assert (s1["chunks"], s1["misses"], s2["hits"], s2["misses"]) == (3, 3, 3, 0)
+    assert again.raw.usage.prompt_tokens_details.cached_tokens > 0
+    # the same request from the plain openai client gets the same answer
+    assert again.message.content == ask(client(server), question, docs, max_tokens=8).choices[0].message.content
+    streamed = "".join(part.delta or "" for part in llm.stream_chat(messages, extra_body={"documents": docs}))
+    assert streamed == again.message.content
+
+
 def test_streaming_equals_the_answer(server):
     c = client(server)
     docs = fresh_docs(2)
