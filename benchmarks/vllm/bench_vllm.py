@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--store", default="disk:///tmp/ragkv-bench-vllm")
+    ap.add_argument("--memory-utilization", type=float, default=0.3,
+                    help="vLLM's gpu_memory_utilization: on CPU the share of a NUMA node's RAM it reserves "
+                         "(its 0.92 default fails when the node is partly used)")
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
 
@@ -71,7 +74,7 @@ def main() -> None:
         engine.ensure(p["contexts"])
         p["ids"] = engine.build_prompt(p["question"], p["contexts"]).input_ids
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
-              max_model_len=8192, block_size=32, seed=0,
+              max_model_len=8192, block_size=32, seed=0, gpu_memory_utilization=args.memory_utilization,
               kv_transfer_config={"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
                                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                   "kv_connector_extra_config": {"store": args.store}})
