@@ -31,6 +31,23 @@ def load_prompts(n: int) -> list[dict]:
     return [{**p, "contexts": [chunks[c] for c in p["chunks"]]} for p in picked]
 
 
+def prepare(n: int, store: str) -> tuple[str, list[dict]]:
+    """The converted SmolLM2 directory and ``n`` test prompts with their token ids ("ids"), every
+    chunk precomputed into ``store`` first."""
+    import torch
+
+    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
+    from ragkv.models import convert_smollm2
+
+    model_dir = str(convert_smollm2())
+    engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": store}))
+    prompts = load_prompts(n)
+    for p in prompts:
+        engine.ensure(p["contexts"])
+        p["ids"] = engine.build_prompt(p["question"], p["contexts"]).input_ids
+    return model_dir, prompts
+
+
 def run(llm, ids, max_tokens, extra):
     from vllm import SamplingParams
 
@@ -64,15 +81,7 @@ def main() -> None:
     import torch
     from vllm import LLM
 
-    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
-    from ragkv.models import convert_smollm2
-
-    model_dir = str(convert_smollm2())
-    engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": args.store}))
-    prompts = load_prompts(args.prompts)
-    for p in prompts:
-        engine.ensure(p["contexts"])
-        p["ids"] = engine.build_prompt(p["question"], p["contexts"]).input_ids
+    model_dir, prompts = prepare(args.prompts, args.store)
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=8192, block_size=32, seed=0, gpu_memory_utilization=args.memory_utilization,
               kv_transfer_config={"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",

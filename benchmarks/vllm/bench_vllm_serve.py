@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vllm import OUT, load_prompts  # noqa: E402
+from bench_vllm import OUT, prepare  # noqa: E402
 from vllm_serve import post, server_command, wait_ready  # noqa: E402
 
 
@@ -38,18 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
 
-    import torch
-
-    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
-    from ragkv.models import convert_smollm2
-
-    model_dir = str(convert_smollm2())
-    engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": args.store}))
-    prompts = load_prompts(args.prompts)
-    for p in prompts:
-        engine.ensure(p["contexts"])
-        p["ids"] = engine.build_prompt(p["question"], p["contexts"]).input_ids
-    del engine
+    model_dir, prompts = prepare(args.prompts, args.store)  # the engine is freed before the server loads its own
     cmd, env = server_command(model_dir, args.port, args.store, ratios[0], max_model_len=8192)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     settings = [("vllm serve, full prefill", {"ragkv_skip": True})] + [(f"vllm serve + ragkv r={r:g}", {"ragkv_ratio": r})
