@@ -15,6 +15,7 @@ from ragkv.adapter import ModelAdapter, UnsupportedModelError
 from ragkv.blend import SELECTORS, BlendConfig, BlendEngine, DeviationSelector, HybridSelector, QuerySelector
 from ragkv.blend import attention as attention_mod
 from ragkv.blend import cache as cache_mod
+from ragkv.blend.select import SelectionRequest
 from ragkv.kernels import dispatch as ops
 from ragkv.policy import prefill_kv
 from ragkv.prompt import Prompt
@@ -459,7 +460,8 @@ def test_auto_ratio_works_with_every_selector(name):
                                       QuerySelector(), QuerySelector(rows=2, heads="max", smooth=1, chunk_starts=1),
                                       QuerySelector(depth=2, skip_layers=1), QuerySelector(full_layers=2),
                                       HybridSelector(),
-                                      HybridSelector(widen=3.0, check_layer=1, fuse="deviation")])
+                                      HybridSelector(widen=3.0, check_layer=1, fuse="deviation"),
+                                      HybridSelector(widen=3.0, fuse="product"), QuerySelector(value_norm=True)])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
     model = models.tiny_model("llama", attn_implementation=attn)
@@ -495,6 +497,47 @@ def test_query_selector_picks_what_the_question_attends_to():
     # the suffix's strongest chunk token is among them, whatever the ratio
     top = int(torch.argmax(score)) + P
     assert top in eng.prefill_prompt(prompt, ratio=0.02).selected.tolist()
+
+
+def test_value_norm_weights_the_question_attention_by_each_value():
+    """value_norm scores a chunk token by (attention of the suffix) x ||V|| per KV head, computed
+    here independently from HF's eager attention and full prefill's cache."""
+    model = models.tiny_model("llama", attn_implementation="eager")
+    prompt = make_prompt(seed=37, sizes=(30, 25, 35))
+    P, C, S = len(prompt.prefix_ids), 90, len(prompt.suffix_ids)
+    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=QuerySelector(value_norm=True)), template=TEMPLATE)
+    _store_exact_caches(eng, model, prompt)
+    with torch.no_grad():
+        out = model(torch.tensor([prompt.input_ids]), output_attentions=True, use_cache=True)
+    kv_heads = model.config.num_key_value_heads
+    score = torch.zeros(C)
+    for att, layer in zip(out.attentions, out.past_key_values.layers):  # [1, Hq, T, T], values [1, Hkv, T, D]
+        a = att[0, :, -S:, P : P + C].float().mean(1)  # [Hq, C]
+        vn = layer.values[0, :, P : P + C].float().norm(dim=-1)  # [Hkv, C]
+        a = (a.view(kv_heads, -1, C) * vn[:, None]).reshape(-1, C).mean(0)
+        score += a / a.sum()
+    res = eng.prefill_prompt(prompt, ratio=0.1)
+    assert set(res.selected.tolist()) == set((torch.topk(score, 9).indices + P).tolist())
+    plain = BlendEngine(model, None, eng.store, BlendConfig(selector=QuerySelector()), template=TEMPLATE)
+    assert set(plain.prefill_prompt(prompt, ratio=0.1).selected.tolist()) != set(res.selected.tolist())
+
+
+def test_hybrid_product_keeps_attention_times_deviation():
+    """fuse="product" ranks by attention x ||V error|| (the first-order effect on the question's
+    output); rank fusion would keep the token with a huge error the question barely reads."""
+    prior = torch.tensor([0.6, 0.01, 0.2, 0.19])
+    req = SelectionRequest(prefix_len=0, chunk_len=4, total=5, chunk_bounds=((0, 4),), ratio=0.5, num_layers=4,
+                           probe=lambda observe, layers=None: [observe(li, prior.view(1, 1, 4), torch.zeros(1, 4, 2))
+                                                               for li in range(4)])
+    cached = torch.zeros(1, 4, 1)
+    fresh = torch.tensor([0.5, 10.0, 2.0, 1.0]).view(1, 4, 1)  # V error norms; x attention: .3 .1 .4 .19
+    product = HybridSelector(widen=2.0, fuse="product").schedule(req)
+    assert product.start.tolist() == [0, 1, 2, 3] and product.checks == {2: 2}
+    assert set(torch.topk(product.score(None, None, fresh, cached), 2).indices.tolist()) == {0, 2}
+    deviation = HybridSelector(widen=2.0, fuse="deviation").schedule(req)
+    assert set(torch.topk(deviation.score(None, None, fresh, cached), 2).indices.tolist()) == {1, 2}
+    with pytest.raises(ValueError, match="fuse must be one of"):
+        HybridSelector(fuse="sum")
 
 
 def test_query_probe_reads_each_stored_layer_once(monkeypatch):

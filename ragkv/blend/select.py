@@ -43,7 +43,8 @@ class SelectionRequest:
     num_layers: int
     kv_heads: int = 1
     # probe(observe): runs the suffix alone through every layer over the fused stored K/V, calling
-    # observe(layer, probs [Hq, S, T]) with its attention in each; the engine keeps what it loaded
+    # observe(layer, probs [Hq, S, T], values [Hkv, T, D]) with its attention (and the values it
+    # weights) in each; the engine keeps what it loaded
     probe: Callable | None = field(default=None, compare=False, repr=False)  # probe(observe, layers=None)
 
     @property
@@ -151,7 +152,9 @@ class QuerySelector(Selector):
     chunk_starts: ignore the first tokens of every chunk (attention sinks score high whatever the
     question). normalize: each layer's attention over the chunks sums to 1. full_layers: recompute
     every chunk token in the first ``full_layers`` layers (as CacheBlend does before its check
-    layer), the selected ones after."""
+    layer), the selected ones after. value_norm: weight each token's attention by the norm of its
+    value (what it adds to the suffix's output, not only how much it is looked at: attention sinks
+    are looked at a lot and carry near-zero values)."""
 
     name: ClassVar[str] = "query"
     rows: int | None = None
@@ -162,6 +165,7 @@ class QuerySelector(Selector):
     chunk_starts: int = 0
     normalize: bool = True
     full_layers: int = 0
+    value_norm: bool = False
 
     def __post_init__(self):
         if self.heads not in ("mean", "max"):
@@ -200,13 +204,17 @@ class QuerySelector(Selector):
         total: list[torch.Tensor] = []
         P, C = req.prefix_len, req.chunk_len
 
-        def observe(layer: int, probs: torch.Tensor) -> None:  # probs [Hq, S, T], heads of a KV group adjacent
+        def observe(layer: int, probs: torch.Tensor, values: torch.Tensor) -> None:
+            # probs [Hq, S, T] (heads of a KV group adjacent), values [Hkv, T, D]
             if layer < self.skip_layers:
                 return
             hq, s, _ = probs.shape
             rows = s if self.rows is None else min(self.rows, s)
             per_head = probs[:, s - rows :, P : P + C].mean(1)  # [Hq, C]
             groups = per_head.view(req.kv_heads, hq // req.kv_heads, C)
+            if self.value_norm:
+                groups = groups * values[:, P : P + C].float().norm(dim=-1)[:, None, :]
+                per_head = groups.view(hq, C)
             att = groups.amax(1).mean(0) if self.heads == "max" else per_head.mean(0)
             if self.normalize:
                 att = att / att.sum().clamp_min(1e-12)
@@ -230,25 +238,29 @@ def _ranks(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+FUSES = ("rank", "product", "deviation")
+
+
 @dataclass(frozen=True)
 class HybridSelector(Selector):
     """Both signals: the query probe preselects ``widen`` x the budget of chunk tokens (recomputed
-    from layer 0), then at ``check_layer`` the budget is kept by the fused rank of the question's
-    attention and the V deviation measured there (``fuse="rank"``), or by the deviation alone
-    (``fuse="deviation"``)."""
+    from layer 0), then at ``check_layer`` the budget is kept by the question's attention times the
+    norm of the V deviation measured there (``fuse="product"``: to first order, what a stale value
+    changes in the question's output is its attention weight times its error), by the sum of the two
+    ranks (``fuse="rank"``), or by the deviation alone (``fuse="deviation"``)."""
 
     name: ClassVar[str] = "hybrid"
-    widen: float = 2.0
+    widen: float = 3.0  # widen, check_layer, fuse: measured on the dev split (benchmarks/blend)
     check_layer: int = 2
-    fuse: str = "rank"
+    fuse: str = "product"
     query: QuerySelector = field(default_factory=QuerySelector)
     deviation: DeviationSelector = field(default_factory=DeviationSelector)
 
     def __post_init__(self):
         if self.widen < 1.0:
             raise ValueError(f"widen must be >= 1, got {self.widen}")
-        if self.fuse not in ("rank", "deviation"):
-            raise ValueError(f"fuse must be 'rank' or 'deviation', got {self.fuse!r}")
+        if self.fuse not in FUSES:
+            raise ValueError(f"fuse must be one of {FUSES}, got {self.fuse!r}")
 
     def check(self, num_layers: int) -> None:
         self.query.check(num_layers)
@@ -268,7 +280,11 @@ class HybridSelector(Selector):
 
         def score(fresh_k, cached_k, fresh_v, cached_v):
             dev = self.deviation.score(fresh_k, cached_k, fresh_v, cached_v)
-            return dev if self.fuse == "deviation" else _ranks(dev) + _ranks(prior.to(dev.device))
+            if self.fuse == "deviation":
+                return dev
+            if self.fuse == "product":
+                return dev.float().sqrt() * prior.to(dev.device).float()  # dev is a squared norm
+            return _ranks(dev) + _ranks(prior.to(dev.device))
 
         return Schedule(start.cpu(), {self.check_layer: n} if wide > n else {}, score)
 
