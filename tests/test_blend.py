@@ -461,7 +461,7 @@ def test_auto_ratio_works_with_every_selector(name):
                                       QuerySelector(depth=2, skip_layers=1), QuerySelector(full_layers=2),
                                       HybridSelector(),
                                       HybridSelector(widen=3.0, check_layer=1, fuse="deviation"),
-                                      HybridSelector(widen=3.0, fuse="product"), QuerySelector(value_norm=True)])
+                                      HybridSelector(widen=2.0, fuse="rank"), QuerySelector(value_norm=True)])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
     model = models.tiny_model("llama", attn_implementation=attn)

@@ -102,8 +102,9 @@ class BlendRequest:
 
     def _probe(self, observe, layers: int | None = None) -> None:
         """The suffix alone through the first ``layers`` layers (None: all) over the fused stored K/V
-        (stale: not yet corrected), ``observe(layer, probs, values)`` seeing its attention (and the values it weights) in each. The fused
-        layers are kept for the pass that follows (the store is read once)."""
+        (stale: not yet corrected), ``observe(layer, probs, values)`` seeing its attention (and the
+        values it weights) in each. The fused layers are kept for the pass that follows (the store
+        is read once)."""
         a, suffix = self.adapter, self.positions[self.P + self.C :]
         self._set_active(suffix)
         hidden = a.embed(self.input_ids[:, suffix])
