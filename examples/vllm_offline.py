@@ -39,6 +39,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams
 
+    from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
     from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
     from ragkv.models import convert_smollm2
 
@@ -51,11 +52,7 @@ def main() -> None:
 
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=4096, block_size=32,
-              gpu_memory_utilization=0.3,  # on CPU: the share of a NUMA node's RAM vLLM reserves (default 0.92)
-              kv_transfer_config={"kv_connector": "RagKVConnector",
-                                  "kv_connector_module_path": "ragkv.integrations.vllm",
-                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                  "kv_connector_extra_config": {"store": args.store, "ratio": ratio}})
+              gpu_memory_utilization=CPU_MEMORY_UTILIZATION, kv_transfer_config=kv_transfer_config(args.store, ratio))
     t0 = time.perf_counter()
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=args.max_tokens, temperature=0))[0]
     print(f"answer ({time.perf_counter() - t0:.2f} s): {out.outputs[0].text!r}")

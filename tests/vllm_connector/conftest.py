@@ -27,6 +27,7 @@ def vllm_env(tmp_path_factory):
     import torch
     from vllm import LLM
 
+    from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
     from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
     from ragkv.models import convert_smollm2
 
@@ -35,9 +36,5 @@ def vllm_env(tmp_path_factory):
     engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": store, "ratio": 0.15}))
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=2048, block_size=32, seed=0,
-              gpu_memory_utilization=0.3,  # on CPU: the share of a NUMA node's RAM vLLM reserves (default 0.92)
-              kv_transfer_config={"kv_connector": "RagKVConnector",
-                                  "kv_connector_module_path": "ragkv.integrations.vllm",
-                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                  "kv_connector_extra_config": {"store": store, "ratio": 0.15}})
+              gpu_memory_utilization=CPU_MEMORY_UTILIZATION, kv_transfer_config=kv_transfer_config(store, 0.15))
     return llm, engine
