@@ -87,9 +87,10 @@ def exact_attention(engine: BlendEngine, prompt) -> torch.Tensor:
     return scores["s"].cpu()
 
 
-def answer_gradient(engine: BlendEngine, prompt, target: torch.Tensor) -> torch.Tensor:
+def answer_gradient(engine: BlendEngine, prompt, target: torch.Tensor, parts: bool = False):
     """[C] first-order decrease of the teacher-forced loss of ``target`` (full prefill's answer) when
-    a chunk token's K/V go from stored to exact in every layer (see module doc)."""
+    a chunk token's K/V go from stored to exact in every layer (see module doc); with ``parts``, the
+    keys' and the values' shares ([C], [C]) instead of their sum."""
     a = engine.adapter
     P, C, T = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids)), len(prompt.input_ids)
     ids = torch.tensor([prompt.input_ids], device=a.device)
@@ -112,11 +113,13 @@ def answer_gradient(engine: BlendEngine, prompt, target: torch.Tensor) -> torch.
     finally:
         for p, n in zip(engine.model.parameters(), needed):
             p.requires_grad_(n)
-    score = torch.zeros(C)
+    by_k, by_v = torch.zeros(C), torch.zeros(C)
     for (k, v), (dk, dv) in zip(leaves, deltas):
         gk, gv = k.grad[0, :, P : P + C].float(), v.grad[0, :, P : P + C].float()
-        score -= ((gk * dk[0].float()).sum((0, 2)) + (gv * dv[0].float()).sum((0, 2))).cpu()
-    return score  # loss decrease predicted by patching each token: larger is better
+        by_k -= (gk * dk[0].float()).sum((0, 2)).cpu()
+        by_v -= (gv * dv[0].float()).sum((0, 2)).cpu()
+    # loss decrease predicted by patching each token: larger is better
+    return (by_k, by_v) if parts else by_k + by_v
 
 
 def orders(engine: BlendEngine, prompt, target: torch.Tensor, kinds=("kv", "mix", "grad")) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,197 @@
+"""How far can a score built from attention and K/V deviation take selection? A first-order proxy.
+
+The grad oracle (oracle.answer_gradient) predicts, per chunk token, how much the teacher-forced loss of
+full prefill's answer falls when that token's K/V go from stored to exact in every layer. A score's
+*captured gain* at ratio r is the share of that predicted gain (its positive part, summed over the
+chunk tokens) held by the score's top r of chunk tokens: 1.0 is the oracle's own choice. It needs one
+prefill per prompt instead of a blended run per score, so many scores can be compared, including ones
+no selector can compute at query time:
+
+    deviation          V deviation at layer 2, every chunk token computed up to it (the deviation
+                       selector's signal at its second check layer)
+    query              the probe's attention (every suffix row, each layer normalised, summed): the
+                       query selector's score
+    hybrid             query preselects 3 x the budget, kept by query x sqrt(deviation) (the hybrid's
+                       score; its deviation here comes from every chunk token, not only the preselected);
+                       also with the K deviation, and with sqrt(K dev x V dev)
+    query x true V/K   per layer: the probe's attention x the true V (K) error of the stored token
+    answer             the attention of full prefill's answer (teacher forced) over full prefill's own
+                       exact cache: what the question's attention over the stale cache estimates
+    answer x true V    both known exactly, per layer
+    answer x deviation the answer's attention with the online deviation
+    grad V part        the oracle's own score with only its values' share (how much of the gain the
+                       stored values carry, against the keys')
+    grad of naive top-1  the oracle's score for one token, the one naive reuse (r = 0) predicts first:
+                       no answer needed, but still the exact K/V
+
+    python benchmarks/blend/selection_proxy.py --split dev --per-genre 2 \\
+        --out benchmarks/blend/results/selection-proxy-fp32.md
+
+A first-order proxy: recomputing a token also corrects the tokens after it, which it does not see, so
+it ranks scores, it does not predict fidelity (benchmarks/blend/bench_blend.py measures that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import corpus
+import oracle
+
+from ragkv import models
+from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.blend.select import DeviationSelector, Schedule, Selector
+from ragkv.store import open_store
+
+N_TOKENS = 32
+RATIOS = (0.1, 0.15)
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    return x / x.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
+def _hybrid(q: torch.Tensor, dev: torch.Tensor, k: int, widen: float = 3.0) -> torch.Tensor:
+    start = torch.topk(q, min(q.numel(), math.ceil(widen * k))).indices
+    out = torch.full_like(q, -1.0)
+    out[start] = dev[start].sqrt() * q[start]
+    return out
+
+
+SCORES = {  # name -> f(signals of one prompt, budget k) -> [C]; signals: see collect()
+    "deviation": lambda s, k: s["dev"],
+    "query": lambda s, k: _norm(s["probe"]).sum(0),
+    "hybrid": lambda s, k: _hybrid(_norm(s["probe"]).sum(0), s["dev"], k),
+    "hybrid, K deviation": lambda s, k: _hybrid(_norm(s["probe"]).sum(0), s["dev_k"], k),
+    "hybrid, K x V deviation": lambda s, k: _hybrid(_norm(s["probe"]).sum(0), (s["dev_k"] * s["dev"]).sqrt(), k),
+    "query x true V": lambda s, k: (_norm(s["probe"]) * s["v_err"]).sum(0),
+    "query x true K": lambda s, k: (_norm(s["probe"]) * s["k_err"]).sum(0),
+    "answer": lambda s, k: _norm(s["answer"]).sum(0),
+    "answer x true V": lambda s, k: (_norm(s["answer"]) * s["v_err"]).sum(0),
+    "answer x deviation": lambda s, k: _norm(s["answer"]).sum(0) * s["dev"].sqrt(),
+    "grad V part": lambda s, k: s["grad_v"],
+    "grad of naive top-1": lambda s, k: s["grad_q"],
+    "oracle (grad)": lambda s, k: s["grad_k"] + s["grad_v"],
+}
+
+
+class _Capture(Selector):
+    """Runs the probe (keeping each layer's attention of the suffix to the chunk tokens), then
+    computes every chunk token up to layer 2 and keeps its V deviation there."""
+
+    name = "capture"
+
+    def __init__(self, out: dict):
+        self.out = out
+
+    def schedule(self, req):
+        P, C, layers = req.prefix_len, req.chunk_len, []
+        req.probe(lambda li, probs, values: layers.append(probs[:, :, P : P + C].mean((0, 1)).cpu()))
+        self.out["probe"] = torch.stack(layers)
+
+        def keep(fresh_k, cached_k, fresh_v, cached_v):
+            for name, signal in (("dev", "v"), ("dev_k", "k")):
+                self.out[name] = DeviationSelector(signal=signal).score(fresh_k, cached_k, fresh_v, cached_v).float().cpu()
+            return self.out["dev"]
+
+        return Schedule(torch.arange(C), {2: C}, keep)
+
+
+def collect(engine: BlendEngine, eager, p: dict) -> dict:
+    """Every signal of one prompt: [L, C] per layer (probe, answer, v_err) or [C]."""
+    a, tok = engine.adapter, engine.tokenizer
+    engine.ensure(p["contexts"])
+    prompt = engine.build_prompt(p["question"], p["contexts"])
+    P, C = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids))
+    ids = torch.tensor([prompt.input_ids], device=a.device)
+    sig: dict = {}
+    with torch.inference_mode():
+        _, exact = a.forward(ids)
+        cache = a.cache_from([lay.keys.clone() for lay in exact.layers], [lay.values.clone() for lay in exact.layers])
+        cache.crop(-1)
+        target = a.generate(ids, cache, tok, max_new_tokens=N_TOKENS, do_sample=False)
+        naive = engine.prefill_prompt(prompt, ratio=0.0)
+        stale, stale_top1 = naive.cache, naive.logits.argmax()[None]
+        for name, kind in (("v_err", "values"), ("k_err", "keys")):
+            sig[name] = torch.stack([(getattr(ex, kind)[0, :, P : P + C] - getattr(st, kind)[0, :, P : P + C]).float().norm(dim=-1).norm(dim=0)
+                                     for ex, st in zip(exact.layers, stale.layers)]).cpu()
+        # the answer's attention, teacher forced over full prefill's cache (eager: attention weights out)
+        exact.crop(-1)  # then the last prompt token and the answer, as the grad oracle feeds them
+        answer = torch.cat([ids[0, -1:], target[:-1]])[None]
+        out = eager(input_ids=answer, cache=exact, output_attentions=True, use_cache=True)
+        sig["answer"] = torch.stack([att[0, :, :, P : P + C].float().mean((0, 1)) for att in out.attentions]).cpu()
+        engine.with_config(selector=_Capture(sig)).prefill_prompt(prompt, ratio=0.5)
+    sig["grad_k"], sig["grad_v"] = oracle.answer_gradient(engine, prompt, target, parts=True)
+    sig["grad_q"] = oracle.answer_gradient(engine, prompt, stale_top1)
+    sig["bounds"] = [(s - P, len(c)) for c, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
+    return sig
+
+
+def captured(sig: dict, score: torch.Tensor, k: int) -> float:
+    gain = (sig["grad_k"] + sig["grad_v"]).clamp_min(0)
+    return float(gain[torch.topk(score, k).indices].sum() / gain.sum().clamp_min(1e-12))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--split", default="dev", choices=["dev", "test", "all"])
+    ap.add_argument("--per-genre", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", required=True, help="a .md table; the per-prompt numbers go beside it as .json")
+    args = ap.parse_args()
+    model, tok = models.load("smollm2-135m", dtype=args.dtype)
+    eager, _ = models.load("smollm2-135m", dtype=args.dtype)
+    eager.set_attn_implementation("eager")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dtype = str(model.dtype).removeprefix("torch.")
+    store = open_store(f"disk://{out.parent.resolve()}/store-{dtype}?max_bytes=20G")
+    engine = BlendEngine(model, tok, store, BlendConfig())
+    prompts = corpus.load(args.split)
+    prompts = [p for g in corpus.GENRES for p in [q for q in prompts if q["genre"] == g][: args.per_genre]]
+    rows = []
+    for i, p in enumerate(prompts):
+        t0 = time.time()
+        sig = collect(engine, eager, p)
+        C = sig["grad_k"].numel()
+        gain = (sig["grad_k"] + sig["grad_v"]).clamp_min(0).sum()
+        row = {"id": p["id"], "genre": p["genre"], "chunk_tokens": C,
+               "v_share": float(sig["grad_v"].clamp_min(0).sum() / (sig["grad_v"].clamp_min(0).sum() + sig["grad_k"].clamp_min(0).sum())),
+               "gain_total": float(gain), "captured": {}}
+        for r in RATIOS:
+            k = math.ceil(r * C)
+            row["captured"][f"{r:g}"] = {name: captured(sig, f(sig, k), k) for name, f in SCORES.items()}
+        rows.append(row)
+        print(f"[{i + 1}/{len(prompts)}] {p['id']} ({time.time() - t0:.0f} s): "
+              + " ".join(f"{n} {v:.2f}" for n, v in row["captured"]["0.15"].items()), flush=True)
+    command = "python " + " ".join(sys.argv)
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "dtype": dtype, "prompts": rows}, indent=1))
+    lines = [f"# Selection proxy: captured first-order gain ({dtype}, {len(rows)} {args.split} prompts)", "",
+             f"`{command}`", "", "Share of the grad oracle's predicted gain held by each score's top r of chunk "
+             "tokens (mean over prompts, worst prompt in brackets); 1.0 = the oracle's own choice. See the "
+             "script's docstring for what each score is.", "",
+             "| score | " + " | ".join(f"r = {r:g}" for r in RATIOS) + " |", "|---|" + "---|" * len(RATIOS)]
+    for name in SCORES:
+        cells = []
+        for r in RATIOS:
+            v = [row["captured"][f"{r:g}"][name] for row in rows]
+            cells.append(f"{sum(v) / len(v):.3f} [{min(v):.3f}]")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    share = [row["v_share"] for row in rows]
+    lines += ["", f"Values' share of the positive predicted gain: mean {sum(share) / len(share):.2f} "
+              f"(min {min(share):.2f}, max {max(share):.2f}); the keys' is the rest."]
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
