@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -181,35 +182,61 @@ def blend_attention_torch(q, k, v, q_pos, k_pos=None, sm_scale: float | None = N
     return out.view(Hq, n, D).to(q.dtype)
 
 
+class SdpaBlock(NamedTuple):
+    idx: torch.Tensor  # [m] the block's queries (indices into q's n axis)
+    kv_len: int  # keys [0, kv_len) cover every position the block's queries see
+    mask: torch.Tensor  # [1, 1, group * m, kv_len] additive (0 / -inf) in the compute dtype
+    blind: bool  # some query sees no key (its row comes out NaN and is zeroed)
+
+
+def sdpa_plan(q_pos: torch.Tensor, total: int, group: int, dtype: torch.dtype,
+              blocks: int | None = None) -> tuple[SdpaBlock, ...]:
+    """The blocked SDPA path's query blocks and their masks for queries at ``q_pos`` [n] over keys at
+    0..total-1 (``blend_attention_sdpa``). It depends on the positions only, not on the layer: a caller
+    running many layers over the same queries builds it once and passes it as ``plan``."""
+    n = q_pos.numel()
+    blocks = max(1, min(8, n // 64)) if blocks is None else blocks
+    order = torch.argsort(q_pos)
+    bounds = torch.linspace(0, n, min(blocks, n) + 1).round().long().tolist()
+    plan = []
+    for s, e in itertools.pairwise(bounds):
+        if s == e:
+            continue
+        idx = order[s:e]
+        pos = q_pos[idx]
+        kv_len = min(total, int(pos.max()) + 1)
+        hidden = torch.arange(kv_len, device=q_pos.device)[None, :] > pos[:, None]  # [m, kv_len]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, float("-inf"))
+        # head h uses kv head h // group: the group's queries are stacked along the query axis
+        plan.append(SdpaBlock(idx, kv_len, mask.repeat(group, 1)[None, None], int(pos.min()) < 0))
+    return tuple(plan)
+
+
 def blend_attention_sdpa(q, k, v, q_pos, k_pos=None, sm_scale: float | None = None,
-                         blocks: int | None = None) -> torch.Tensor:
+                         blocks: int | None = None, plan: tuple[SdpaBlock, ...] | None = None) -> torch.Tensor:
     """CPU production path (torch): the queries, sorted by position, are cut into ``blocks`` groups
     (default: one per 64 queries, at most 8); each group runs torch's fused SDPA over only the keys up
     to its last position, with the positional mask for that slice. A causal-by-position attention of
     n scattered queries over T keys then costs ~(1/2 + 1/(2*blocks)) of the dense n x T work. GQA
     without copying K/V: the query heads that share a kv head are stacked along the query axis.
+    ``plan``: the blocks and masks from ``sdpa_plan`` for these q_pos (built here when None; building
+    them costs about as much as the attention itself, so a layer loop passes one plan to every layer).
     k_pos must be None (keys at positions 0..T-1); otherwise this falls back to the reference."""
     Hq, n, D, Hkv, T = _check(q, k, v, q_pos, k_pos)
     if k_pos is not None:
         return blend_attention_torch(q, k, v, q_pos, k_pos, sm_scale)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     group = Hq // Hkv
-    blocks = max(1, min(8, n // 64)) if blocks is None else blocks
-    order = torch.argsort(q_pos)
+    if plan is None:
+        plan = sdpa_plan(q_pos, T, group, q.dtype, blocks)
+    if sum(b.idx.numel() for b in plan) != n or any(b.mask.shape[2] != group * b.idx.numel() for b in plan):
+        raise ValueError(f"plan covers other queries than these {n} (group {group})")
     out = torch.empty_like(q)
-    bounds = torch.linspace(0, n, min(blocks, n) + 1).round().long().tolist()
-    for s, e in itertools.pairwise(bounds):
-        if s == e:
-            continue
-        idx = order[s:e]
-        pos = q_pos[idx]
-        m, kv_len = e - s, min(T, int(pos.max()) + 1)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]  # [m, kv_len]
-        qq = q[:, idx].reshape(Hkv, group * m, D)  # head h = kv head h // group: stack the group
+    for idx, kv_len, mask, blind in plan:
+        m = idx.numel()
+        qq = q[:, idx].reshape(Hkv, group * m, D)
         o = torch.nn.functional.scaled_dot_product_attention(
-            qq[None], k[None, :, :kv_len], v[None, :, :kv_len], attn_mask=visible.repeat(group, 1)[None, None],
-            scale=sm_scale,
-        )[0]
-        o = o.view(Hq, m, D)
-        out[:, idx] = o if int(pos.min()) >= 0 else o.nan_to_num(0.0)  # a query seeing no key -> zeros
+            qq[None], k[None, :, :kv_len], v[None, :, :kv_len], attn_mask=mask.to(q.dtype), scale=sm_scale,
+        )[0].view(Hq, m, D)
+        out[:, idx] = o.nan_to_num(0.0) if blind else o  # a query seeing no key -> zeros
     return out

@@ -474,6 +474,22 @@ def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
         torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
 
 
+def test_position_attention_plan_is_built_once_per_active_set(monkeypatch):
+    """The CPU attention's blocks and masks depend on the active rows only: one plan per active set,
+    shared by every layer that runs it (building it costs about as much as the attention)."""
+    model = models.tiny_model("llama", attn_implementation="sdpa")
+    prompt = make_prompt(seed=31, sizes=(23, 17, 30))
+    built, real = [], ops.blend_attention_plan
+    monkeypatch.setattr(ops, "blend_attention_plan", lambda q_pos, *a: built.append(q_pos) or real(q_pos, *a))
+    for selector, active_sets in ((QuerySelector(), 1), (DeviationSelector(check_layers=(0, 1)), 2)):
+        eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=selector), template=TEMPLATE)
+        _store_exact_caches(eng, model, prompt)
+        built.clear()
+        res = eng.prefill_prompt(prompt, ratio=0.2)
+        torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
+        assert len(built) == active_sets < eng.adapter.num_layers
+
+
 def test_query_selector_picks_what_the_question_attends_to():
     """With exact caches the probe sees full prefill's attention: the selected tokens must be the
     top tokens of the suffix's attention computed independently by HF's eager attention."""

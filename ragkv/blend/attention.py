@@ -23,10 +23,11 @@ from ragkv.kernels import dispatch as ops
 
 
 def position_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                       ragkv_q_pos=None, **kwargs):
+                       ragkv_q_pos=None, ragkv_plan=None, **kwargs):
     """HF attention-function signature; query [1, Hq, n, D], key/value [1, Hkv, T, D] -> ([1, n, Hq, D], None):
-    row i attends to keys at positions <= ragkv_q_pos[i] (the fused K/V holds position j at row j)."""
-    out = ops.blend_attention(query[0], key[0], value[0], ragkv_q_pos, sm_scale=scaling)  # [Hq, n, D]
+    row i attends to keys at positions <= ragkv_q_pos[i] (the fused K/V holds position j at row j).
+    ragkv_plan: ``ops.blend_attention_plan`` for these rows (built once per active set, not per layer)."""
+    out = ops.blend_attention(query[0], key[0], value[0], ragkv_q_pos, sm_scale=scaling, plan=ragkv_plan)  # [Hq, n, D]
     return out.transpose(0, 1).unsqueeze(0), None
 
 
@@ -60,7 +61,7 @@ def causal_mask_by_position(q_pos: torch.Tensor, total: int, dtype: torch.dtype)
 
 class LayerCalls:
     """The attention arguments of ``ModelAdapter.run_layer`` for one request, per active set (the
-    eager mask is built once per active set, not once per layer)."""
+    eager mask and the position attention's plan are built once per active set, not once per layer)."""
 
     def __init__(self, adapter, total: int):
         self.adapter, self.total = adapter, total
@@ -68,6 +69,8 @@ class LayerCalls:
         self.is_causal = adapter.attn_implementation in IS_CAUSAL_IMPLS  # takes mask None as causal
         self._mask_for: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
+        self._plan_for: torch.Tensor | None = None
+        self._plan = None
 
     def __call__(self, active: torch.Tensor, capture=None) -> dict:
         if capture is not None:  # a probe: ragkv's attention under every implementation (eager included)
@@ -75,7 +78,11 @@ class LayerCalls:
         if self.is_causal and active.numel() == self.total:  # every position: a plain causal prefill
             return {}
         if not self.eager:
-            return {"attention": position_attention, "ragkv_q_pos": active}
+            if self._plan_for is not active:
+                a = self.adapter
+                self._plan_for = active
+                self._plan = ops.blend_attention_plan(active, self.total, a.num_heads // a.num_kv_heads, a.dtype)
+            return {"attention": position_attention, "ragkv_q_pos": active, "ragkv_plan": self._plan}
         if self._mask_for is not active:
             self._mask_for, self._mask = active, causal_mask_by_position(active, self.total, self.adapter.dtype)
         return {"attention_mask": self._mask}

@@ -102,3 +102,31 @@ def test_blocked_sdpa_path_matches_reference(n, T, group):
     q_pos = torch.randperm(T, generator=g)[:n]  # scattered, unsorted
     got = blend_attention_sdpa(q, k, v, q_pos, sm_scale=0.11, blocks=5)
     assert_verbose_allclose(got, blend_attention_torch(q, k, v, q_pos, sm_scale=0.11), atol=2e-5, rtol=2e-5)
+
+
+def test_blocked_sdpa_plan_built_once_gives_the_same_attention():
+    from ragkv.kernels.blend_attention import blend_attention_sdpa, sdpa_plan
+
+    g = torch.Generator().manual_seed(5)
+    Hkv, group, D, T, n = 2, 3, 64, 700, 150
+    q_pos = torch.randperm(T, generator=g)[:n]
+    plan = sdpa_plan(q_pos, T, group, torch.float32)
+    for _ in range(2):  # one plan, two "layers" with their own q/k/v
+        q = torch.randn(Hkv * group, n, D, generator=g)
+        k, v = torch.randn(Hkv, T, D, generator=g), torch.randn(Hkv, T, D, generator=g)
+        got = blend_attention_sdpa(q, k, v, q_pos, plan=plan)
+        assert torch.equal(got, blend_attention_sdpa(q, k, v, q_pos))
+        assert_verbose_allclose(got, blend_attention_torch(q, k, v, q_pos), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="plan covers other queries"):
+        blend_attention_sdpa(q[:, :-1], k, v, q_pos[:-1], plan=plan)
+
+
+def test_blocked_sdpa_plan_zeroes_a_query_that_sees_no_key():
+    from ragkv.kernels.blend_attention import blend_attention_sdpa, sdpa_plan
+
+    q, k, v = torch.randn(2, 3, 8), torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    q_pos = torch.tensor([-1, 2, 4])
+    plan = sdpa_plan(q_pos, 5, 2, torch.float32)
+    got = blend_attention_sdpa(q, k, v, q_pos, plan=plan)
+    assert torch.equal(got[:, 0], torch.zeros(2, 8))
+    assert_verbose_allclose(got, blend_attention_torch(q, k, v, q_pos), atol=2e-5, rtol=2e-5)
