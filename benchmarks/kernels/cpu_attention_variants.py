@@ -9,7 +9,10 @@ that costs more than causal prefill's ``is_causal`` kernel. This script measures
 shapes of SmolLM2 (9 query heads, 3 KV heads, head_dim 64) at T = 3087 and n = 510 (r = 0.15 + suffix):
 
     mask cost      one block: SDPA with a boolean mask, a float mask, and no mask
-    current        blend_attention_sdpa (blocks of >= 64 queries, at most 8)
+    current        blend_attention_sdpa (blocks of >= 64 queries, at most 8), its blocks and masks
+                   built in the call (what every layer paid before they were built once per active set)
+    plan reused    the same with the blocks and masks built beforehand (``sdpa_plan``), as a request's
+                   layers now share them; "plan build" is what building them costs once
     split B        per block, the keys every query of the block sees run WITHOUT a mask and only the
                    band between the block's first and last position with one; the two halves are
                    merged by their log-sum-exp (torch's CPU flash kernel returns it). B blocks.
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from _common import bench_ms
 
-from kernels.blend_attention import blend_attention_sdpa, blend_attention_torch
+from kernels.blend_attention import blend_attention_sdpa, blend_attention_torch, sdpa_plan
 
 flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -80,11 +83,14 @@ def measure(dt: torch.dtype) -> None:
           f"no mask {cpu_ms(lambda: sdpa(qb, kb, vb)):.1f} ms")
     qc = torch.randn(1, HQ, T, D, dtype=dt)
     print(f"{dt}: causal prefill of all {T} rows (is_causal, GQA): {cpu_ms(lambda: sdpa(qc, kb, vb, is_causal=True, enable_gqa=True)):.1f} ms")
-    variants = [("current", lambda: blend_attention_sdpa(q, k, v, pos))]
+    plan = sdpa_plan(pos, T, HQ // HKV, dt)
+    print(f"{dt}: plan build {cpu_ms(lambda: sdpa_plan(pos, T, HQ // HKV, dt)):.1f} ms")
+    variants = [("current", lambda: blend_attention_sdpa(q, k, v, pos)),
+                ("plan reused", lambda: blend_attention_sdpa(q, k, v, pos, plan=plan))]
     variants += [(f"split {b}", lambda b=b: split_attention(q, k, v, pos, b)) for b in (4, 8, 16)]
     for name, fn in variants:
         err = float((fn().float() - ref).abs().max())
-        print(f"{dt}: {name:9s} {cpu_ms(fn):6.1f} ms  (max abs error vs fp32 reference {err:.3g})")
+        print(f"{dt}: {name:11s} {cpu_ms(fn):6.1f} ms  (max abs error vs fp32 reference {err:.3g})")
 
 
 def main() -> None:
