@@ -220,7 +220,7 @@ def blend_attention_sdpa(q, k, v, q_pos, k_pos=None, sm_scale: float | None = No
     n scattered queries over T keys then costs ~(1/2 + 1/(2*blocks)) of the dense n x T work. GQA
     without copying K/V: the query heads that share a kv head are stacked along the query axis.
     ``plan``: the blocks and masks from ``sdpa_plan`` for these q_pos (built here when None; building
-    them costs about as much as the attention itself, so a layer loop passes one plan to every layer).
+    them costs ~a tenth of the call, so a layer loop builds one plan and passes it to every layer).
     k_pos must be None (keys at positions 0..T-1); otherwise this falls back to the reference."""
     Hq, n, D, Hkv, T = _check(q, k, v, q_pos, k_pos)
     if k_pos is not None:
