@@ -15,6 +15,11 @@ no selector can compute at query time:
                        score; its deviation here comes from every chunk token, not only the preselected);
                        also with the K deviation, and with sqrt(K dev x V dev)
     query x true V/K   per layer: the probe's attention x the true V (K) error of the stored token
+    output change      per layer, a first-order bound on how far correcting the token moves the
+                       suffix's attention output: sum over heads and suffix rows of
+                       a * (|q . dK| / sqrt(d) * ||v - o|| + ||dV||) (the key error counted along the
+                       suffix's queries, not by its norm); with the true K/V errors in every layer, or
+                       with the online deviation at layer 2 only (alone, and as the hybrid's score)
     answer             the attention of full prefill's answer (teacher forced) over full prefill's own
                        exact cache: what the question's attention over the stale cache estimates
     answer x true V    both known exactly, per layer
@@ -39,6 +44,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +55,7 @@ import oracle
 
 from ragkv import models
 from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.blend import attention as attention_mod
 from ragkv.blend.select import DeviationSelector, Schedule, Selector
 from ragkv.store import open_store
 
@@ -56,15 +63,25 @@ N_TOKENS = 32
 RATIOS = (0.1, 0.15)
 
 
+class _KV(NamedTuple):
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
 def _norm(x: torch.Tensor) -> torch.Tensor:
     return x / x.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
-def _hybrid(q: torch.Tensor, dev: torch.Tensor, k: int, widen: float = 3.0) -> torch.Tensor:
+def _preselect(q: torch.Tensor, score: torch.Tensor, k: int, widen: float = 3.0) -> torch.Tensor:
+    """``score`` on the top ``widen`` x k tokens by ``q``, -1 elsewhere (the hybrid's two stages)."""
     start = torch.topk(q, min(q.numel(), math.ceil(widen * k))).indices
     out = torch.full_like(q, -1.0)
-    out[start] = dev[start].sqrt() * q[start]
+    out[start] = score[start]
     return out
+
+
+def _hybrid(q: torch.Tensor, dev: torch.Tensor, k: int) -> torch.Tensor:
+    return _preselect(q, dev.sqrt() * q, k)
 
 
 SCORES = {  # name -> f(signals of one prompt, budget k) -> [C]; signals: see collect()
@@ -75,6 +92,9 @@ SCORES = {  # name -> f(signals of one prompt, budget k) -> [C]; signals: see co
     "hybrid, K x V deviation": lambda s, k: _hybrid(_norm(s["probe"]).sum(0), (s["dev_k"] * s["dev"]).sqrt(), k),
     "query x true V": lambda s, k: (_norm(s["probe"]) * s["v_err"]).sum(0),
     "query x true K": lambda s, k: (_norm(s["probe"]) * s["k_err"]).sum(0),
+    "output change, true K/V errors": lambda s, k: s["change"].sum(0),
+    "output change at layer 2, online": lambda s, k: s["change2"],
+    "hybrid, output change at layer 2": lambda s, k: _preselect(_norm(s["probe"]).sum(0), s["change2"], k),
     "answer": lambda s, k: _norm(s["answer"]).sum(0),
     "answer x true V": lambda s, k: (_norm(s["answer"]) * s["v_err"]).sum(0),
     "answer x deviation": lambda s, k: _norm(s["answer"]).sum(0) * s["dev"].sqrt(),
@@ -85,25 +105,46 @@ SCORES = {  # name -> f(signals of one prompt, budget k) -> [C]; signals: see co
 
 
 class _Capture(Selector):
-    """Runs the probe (keeping each layer's attention of the suffix to the chunk tokens), then
-    computes every chunk token up to layer 2 and keeps its V deviation there."""
+    """Runs the probe (keeping, per layer, the suffix's attention to the chunk tokens, its queries and
+    its attention output), then computes every chunk token up to layer 2 and keeps their deviation
+    there (norms, and the K/V differences themselves)."""
 
     name = "capture"
 
-    def __init__(self, out: dict):
-        self.out = out
+    def __init__(self, out: dict, queries: dict):
+        self.out, self.queries = out, queries
 
     def schedule(self, req):
-        P, C, layers = req.prefix_len, req.chunk_len, []
-        req.probe(lambda li, probs, values: layers.append(probs[:, :, P : P + C].mean((0, 1)).cpu()))
-        self.out["probe"] = torch.stack(layers)
+        P, C, probs_l, out_l = req.prefix_len, req.chunk_len, [], []
+
+        def observe(li, probs, values):  # probs [Hq, S, T], values [Hkv, T, D]
+            hq, s, t = probs.shape
+            probs_l.append(probs[:, :, P : P + C].float().cpu())
+            hkv = values.shape[0]
+            out_l.append(torch.bmm(probs.reshape(hkv, hq // hkv * s, t), values.float()).view(hq, s, -1).cpu())
+
+        req.probe(observe)
+        self.out["probe_full"], self.out["probe_out"] = probs_l, out_l
+        self.out["probe"] = torch.stack([pr.mean((0, 1)) for pr in probs_l])
 
         def keep(fresh_k, cached_k, fresh_v, cached_v):
             for name, signal in (("dev", "v"), ("dev_k", "k")):
                 self.out[name] = DeviationSelector(signal=signal).score(fresh_k, cached_k, fresh_v, cached_v).float().cpu()
+            self.out["dk2"], self.out["dv2"] = (fresh_k - cached_k).float().cpu(), (fresh_v - cached_v).float().cpu()
             return self.out["dev"]
 
         return Schedule(torch.arange(C), {2: C}, keep)
+
+
+def _output_change(probs, queries, out, stale_v, dk, dv) -> torch.Tensor:
+    """[C] first-order bound on how much correcting each chunk token moves the suffix's attention output
+    in one layer: sum over heads and suffix rows of a * (|q . dk| * scale * ||v - o|| + ||dv||).
+    probs [Hq, S, C], queries [Hq, S, D], out [Hq, S, D], stale_v / dk / dv [Hkv, C, D]."""
+    g = probs.shape[0] // dk.shape[0]
+    dk, dv, v = (x.repeat_interleave(g, 0) for x in (dk, dv, stale_v))
+    dlogit = torch.bmm(queries, dk.transpose(1, 2)).abs() * queries.shape[-1] ** -0.5  # [Hq, S, C]
+    spread = torch.cdist(out, v)  # ||v_t - o_i||
+    return (probs * (dlogit * spread + dv.norm(dim=-1)[:, None, :])).sum((0, 1))
 
 
 def collect(engine: BlendEngine, eager, p: dict) -> dict:
@@ -124,12 +165,32 @@ def collect(engine: BlendEngine, eager, p: dict) -> dict:
         for name, kind in (("v_err", "values"), ("k_err", "keys")):
             sig[name] = torch.stack([(getattr(ex, kind)[0, :, P : P + C] - getattr(st, kind)[0, :, P : P + C]).float().norm(dim=-1).norm(dim=0)
                                      for ex, st in zip(exact.layers, stale.layers)]).cpu()
+        exact_layers = [_KV(lay.keys.clone(), lay.values.clone()) for lay in exact.layers]
         # the answer's attention, teacher forced over full prefill's cache (eager: attention weights out)
         exact.crop(-1)  # then the last prompt token and the answer, as the grad oracle feeds them
         answer = torch.cat([ids[0, -1:], target[:-1]])[None]
         out = eager(input_ids=answer, cache=exact, output_attentions=True, use_cache=True)
         sig["answer"] = torch.stack([att[0, :, :, P : P + C].float().mean((0, 1)) for att in out.attentions]).cpu()
-        engine.with_config(selector=_Capture(sig)).prefill_prompt(prompt, ratio=0.5)
+        queries: dict = {}
+        real = attention_mod.probe_attention
+
+        def spy(module, query, *args, **kwargs):  # the probe's queries (after RoPE), per layer
+            queries[module.layer_idx] = query[0].float().cpu()
+            return real(module, query, *args, **kwargs)
+
+        attention_mod.probe_attention = spy
+        try:
+            engine.with_config(selector=_Capture(sig, queries)).prefill_prompt(prompt, ratio=0.5)
+        finally:
+            attention_mod.probe_attention = real
+        stale_v = [st.values[0, :, P : P + C].float().cpu() for st in stale.layers]
+        change = [_output_change(sig["probe_full"][li], queries[li], sig["probe_out"][li], stale_v[li],
+                                 (ex.keys[0, :, P : P + C] - st.keys[0, :, P : P + C]).float().cpu(),
+                                 (ex.values[0, :, P : P + C] - st.values[0, :, P : P + C]).float().cpu())
+                  for li, (ex, st) in enumerate(zip(exact_layers, stale.layers))]
+        sig["change"] = torch.stack(change)
+        sig["change2"] = _output_change(sig["probe_full"][2], queries[2], sig["probe_out"][2], stale_v[2], sig["dk2"], sig["dv2"])
+        del sig["probe_full"], sig["probe_out"], sig["dk2"], sig["dv2"]
     sig["grad_k"], sig["grad_v"] = oracle.answer_gradient(engine, prompt, target, parts=True)
     sig["grad_q"] = oracle.answer_gradient(engine, prompt, stale_top1)
     sig["bounds"] = [(s - P, len(c)) for c, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
