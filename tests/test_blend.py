@@ -474,6 +474,32 @@ def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
         torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("q_pos", [[27, 28, 29], [3, 17, 29], [0, 1, 2]])
+def test_probe_attention_is_causal_by_position_and_hands_out_its_probabilities(q_pos):
+    """The probe's explicit attention (masked only where some row cannot see) equals the reference
+    attention by position, and the probabilities it hands out are that attention's."""
+    from ragkv.kernels.blend_attention import blend_attention_torch
+
+    g = torch.Generator().manual_seed(len(q_pos) + q_pos[0])
+    hkv, group, n, t, d = 2, 3, len(q_pos), 30, 16
+    q = torch.randn(1, hkv * group, n, d, generator=g)
+    k, v = torch.randn(1, hkv, t, d, generator=g), torch.randn(1, hkv, t, d, generator=g)
+    pos, seen = torch.tensor(q_pos), {}
+
+    class Layer:
+        layer_idx = 4
+
+    out, _ = attention_mod.probe_attention(Layer(), q, k, v, None, scaling=0.3, ragkv_q_pos=pos,
+                                           ragkv_capture=lambda li, probs, values: seen.update(li=li, probs=probs))
+    ref = blend_attention_torch(q[0], k[0], v[0], pos, sm_scale=0.3)  # [Hq, n, D]
+    torch.testing.assert_close(out[0].transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
+    logits = torch.einsum("hnd,htd->hnt", q[0], k[0].repeat_interleave(group, 0)) * 0.3
+    logits[:, torch.arange(t)[None, :] > pos[:, None]] = float("-inf")
+    assert seen["li"] == 4
+    torch.testing.assert_close(seen["probs"], logits.softmax(-1), atol=1e-6, rtol=1e-5)
+    assert (seen["probs"][:, torch.arange(t)[None, :] > pos[:, None]] == 0).all()
+
+
 def test_position_attention_plan_is_built_once_per_active_set(monkeypatch):
     """The CPU attention's blocks and masks depend on the active rows only: one plan per active set,
     shared by every layer that runs it, and the blend is still exact."""

@@ -41,10 +41,14 @@ def probe_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     hkv, t = k.shape[0], k.shape[1]
     g = hq // hkv
     scale = d**-0.5 if scaling is None else scaling
-    # products in the model's dtype (bf16 runs on the CPU's bf16 units, fp32 accumulation), softmax in fp32
-    logits = torch.bmm(q.reshape(hkv, g * n, d), k.transpose(1, 2)).float() * scale  # [Hkv, g*n, T]
-    hidden = torch.arange(t, device=q.device)[None, :] > ragkv_q_pos.repeat(g)[:, None]
-    probs = logits.masked_fill_(hidden, float("-inf")).softmax(-1)
+    # products in the model's dtype (bf16 runs on the CPU's bf16 units, fp32 accumulation), softmax in
+    # fp32; the scale goes on the n queries, not on the n x T logits (exact for a power of two: d = 64)
+    logits = torch.bmm((q * scale).reshape(hkv, g * n, d), k.transpose(1, 2)).float()  # [Hkv, g*n, T]
+    lo = int(ragkv_q_pos.min()) + 1  # keys before it are seen by every row: only the rest is masked
+    if lo < t:
+        hidden = torch.arange(lo, t, device=q.device)[None, :] > ragkv_q_pos.repeat(g)[:, None]
+        logits[..., lo:].masked_fill_(hidden, float("-inf"))
+    probs = logits.softmax(-1)
     ragkv_capture(module.layer_idx, probs.view(hq, n, t), v)
     out = torch.bmm(probs.to(v.dtype), v).view(hq, n, d)
     return out.transpose(0, 1).unsqueeze(0), None
