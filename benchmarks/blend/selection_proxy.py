@@ -7,8 +7,8 @@ chunk tokens) held by the score's top r of chunk tokens: 1.0 is the oracle's own
 prefill per prompt instead of a blended run per score, so many scores can be compared, including ones
 no selector can compute at query time:
 
-    deviation          V deviation at layer 2, every chunk token computed up to it (the deviation
-                       selector's signal at its second check layer)
+    deviation          V deviation at layer 2 (the hybrid's check layer), every chunk token computed
+                       up to it: the deviation selector's signal, ranked once
     query              the probe's attention (every suffix row, each layer normalised, summed): the
                        query selector's score
     hybrid             query preselects 3 x the budget, kept by query x sqrt(deviation) (the hybrid's
