@@ -132,7 +132,8 @@ def _check(q, k, v, q_pos, k_pos):
     return Hq, n, D, Hkv, T
 
 
-def blend_attention_triton(q, k, v, q_pos, k_pos=None, sm_scale: float | None = None) -> torch.Tensor:
+def blend_attention_triton(q, k, v, q_pos, k_pos=None, sm_scale: float | None = None, plan=None) -> torch.Tensor:
+    # (plan: the CPU path's precomputed blocks; the kernel masks by position itself and needs none)
     Hq, n, D, Hkv, T = _check(q, k, v, q_pos, k_pos)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale

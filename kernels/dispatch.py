@@ -148,17 +148,14 @@ def blend_attention(
     query i sees key j iff k_pos[j] <= q_pos[i] (q_pos [n], k_pos [T] int64, None = arange(T)).
     sm_scale defaults to D ** -0.5. Returns [q_heads, n, D] in q.dtype; a query seeing no key gets zeros.
     plan: ``blend_attention_plan(q_pos, T, group, dtype)`` for these queries (reused across layers)."""
-    fn = _impl("blend_attention", q.device)
-    if plan is not None and fn.__name__ == "blend_attention_sdpa":
-        return fn(q, k, v, q_pos, k_pos, sm_scale, plan=plan)
-    return fn(q, k, v, q_pos, k_pos, sm_scale)
+    return _impl("blend_attention", q.device)(q, k, v, q_pos, k_pos, sm_scale, plan=plan)
 
 
 def blend_attention_plan(q_pos: torch.Tensor, total: int, group: int, dtype: torch.dtype):
     """What ``blend_attention`` can reuse across calls with the same queries at ``q_pos`` over ``total``
     keys at positions 0..total-1 (GQA ``group`` query heads per kv head): the CPU path's query blocks
     and masks; None where the kernel in use needs none (Triton)."""
-    if _impl("blend_attention", q_pos.device).__name__ != "blend_attention_sdpa":
+    if resolve_backend("blend_attention", q_pos.device) != "torch":
         return None
     return _module("blend_attention").sdpa_plan(q_pos, total, group, dtype)
 

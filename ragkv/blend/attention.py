@@ -71,22 +71,20 @@ class LayerCalls:
         self.adapter, self.total = adapter, total
         self.eager = adapter.attn_implementation == "eager"
         self.is_causal = adapter.attn_implementation in IS_CAUSAL_IMPLS  # takes mask None as causal
-        self._mask_for: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
-        self._plan_for: torch.Tensor | None = None
-        self._plan = None
+        self._for: torch.Tensor | None = None  # the active set the kwargs below were built for
+        self._kwargs: dict = {}
 
     def __call__(self, active: torch.Tensor, capture=None) -> dict:
         if capture is not None:  # a probe: ragkv's attention under every implementation (eager included)
             return {"attention": probe_attention, "ragkv_q_pos": active, "ragkv_capture": capture}
         if self.is_causal and active.numel() == self.total:  # every position: a plain causal prefill
             return {}
-        if not self.eager:
-            if self._plan_for is not active:
-                a = self.adapter
-                self._plan_for = active
-                self._plan = ops.blend_attention_plan(active, self.total, a.num_heads // a.num_kv_heads, a.dtype)
-            return {"attention": position_attention, "ragkv_q_pos": active, "ragkv_plan": self._plan}
-        if self._mask_for is not active:
-            self._mask_for, self._mask = active, causal_mask_by_position(active, self.total, self.adapter.dtype)
-        return {"attention_mask": self._mask}
+        if self._for is not active:
+            a = self.adapter
+            if self.eager:
+                self._kwargs = {"attention_mask": causal_mask_by_position(active, self.total, a.dtype)}
+            else:
+                plan = ops.blend_attention_plan(active, self.total, a.num_heads // a.num_kv_heads, a.dtype)
+                self._kwargs = {"attention": position_attention, "ragkv_q_pos": active, "ragkv_plan": plan}
+            self._for = active
+        return self._kwargs
