@@ -44,7 +44,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -61,11 +60,6 @@ from ragkv.store import open_store
 
 N_TOKENS = 32
 RATIOS = (0.1, 0.15)
-
-
-class _KV(NamedTuple):
-    keys: torch.Tensor
-    values: torch.Tensor
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -105,14 +99,14 @@ SCORES = {  # name -> f(signals of one prompt, budget k) -> [C]; signals: see co
 
 
 class _Capture(Selector):
-    """Runs the probe (keeping, per layer, the suffix's attention to the chunk tokens, its queries and
-    its attention output), then computes every chunk token up to layer 2 and keeps their deviation
+    """Runs the probe (keeping, per layer, the suffix's attention to the chunk tokens and its attention
+    output; ``collect`` catches its queries), then computes every chunk token up to layer 2 and keeps their deviation
     there (norms, and the K/V differences themselves)."""
 
     name = "capture"
 
-    def __init__(self, out: dict, queries: dict):
-        self.out, self.queries = out, queries
+    def __init__(self, out: dict):
+        self.out = out
 
     def schedule(self, req):
         P, C, probs_l, out_l = req.prefix_len, req.chunk_len, [], []
@@ -162,10 +156,10 @@ def collect(engine: BlendEngine, eager, p: dict) -> dict:
         target = a.generate(ids, cache, tok, max_new_tokens=N_TOKENS, do_sample=False)
         naive = engine.prefill_prompt(prompt, ratio=0.0)
         stale, stale_top1 = naive.cache, naive.logits.argmax()[None]
-        for name, kind in (("v_err", "values"), ("k_err", "keys")):
-            sig[name] = torch.stack([(getattr(ex, kind)[0, :, P : P + C] - getattr(st, kind)[0, :, P : P + C]).float().norm(dim=-1).norm(dim=0)
-                                     for ex, st in zip(exact.layers, stale.layers)]).cpu()
-        exact_layers = [_KV(lay.keys.clone(), lay.values.clone()) for lay in exact.layers]
+        # the true K/V errors of the stored chunk tokens, per layer [Hkv, C, D]
+        dk = [(ex.keys[0, :, P : P + C] - st.keys[0, :, P : P + C]).float().cpu() for ex, st in zip(exact.layers, stale.layers)]
+        dv = [(ex.values[0, :, P : P + C] - st.values[0, :, P : P + C]).float().cpu() for ex, st in zip(exact.layers, stale.layers)]
+        sig["k_err"], sig["v_err"] = (torch.stack([d.norm(dim=-1).norm(dim=0) for d in err]) for err in (dk, dv))
         # the answer's attention, teacher forced over full prefill's cache (eager: attention weights out)
         exact.crop(-1)  # then the last prompt token and the answer, as the grad oracle feeds them
         answer = torch.cat([ids[0, -1:], target[:-1]])[None]
@@ -180,20 +174,16 @@ def collect(engine: BlendEngine, eager, p: dict) -> dict:
 
         attention_mod.probe_attention = spy
         try:
-            engine.with_config(selector=_Capture(sig, queries)).prefill_prompt(prompt, ratio=0.5)
+            engine.with_config(selector=_Capture(sig)).prefill_prompt(prompt, ratio=0.5)
         finally:
             attention_mod.probe_attention = real
         stale_v = [st.values[0, :, P : P + C].float().cpu() for st in stale.layers]
-        change = [_output_change(sig["probe_full"][li], queries[li], sig["probe_out"][li], stale_v[li],
-                                 (ex.keys[0, :, P : P + C] - st.keys[0, :, P : P + C]).float().cpu(),
-                                 (ex.values[0, :, P : P + C] - st.values[0, :, P : P + C]).float().cpu())
-                  for li, (ex, st) in enumerate(zip(exact_layers, stale.layers))]
-        sig["change"] = torch.stack(change)
+        sig["change"] = torch.stack([_output_change(sig["probe_full"][li], queries[li], sig["probe_out"][li], stale_v[li],
+                                                    dk[li], dv[li]) for li in range(len(dk))])
         sig["change2"] = _output_change(sig["probe_full"][2], queries[2], sig["probe_out"][2], stale_v[2], sig["dk2"], sig["dv2"])
         del sig["probe_full"], sig["probe_out"], sig["dk2"], sig["dv2"]
     sig["grad_k"], sig["grad_v"] = oracle.answer_gradient(engine, prompt, target, parts=True)
     sig["grad_q"] = oracle.answer_gradient(engine, prompt, stale_top1)
-    sig["bounds"] = [(s - P, len(c)) for c, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
     return sig
 
 
