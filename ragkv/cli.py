@@ -87,9 +87,15 @@ def _check(tiers) -> None:
 
 
 def _policy_options(f):
-    """--sink/--gap: the precompute policy; writers and readers of one store must agree on it."""
+    """--sink/--gap/--context: the precompute policy; writers and readers of one store must agree on it."""
+    from ragkv.policy import MAX_CONTEXT, PrecomputePolicy
+
+    f = click.option("--context", type=click.IntRange(0, MAX_CONTEXT), default=PrecomputePolicy.context,
+                     show_default=True,
+                     help="precompute policy: neighbour chunks (most similar in the corpus) each chunk is "
+                          "prefilled behind; 0 = none")(f)
     f = click.option("--gap", type=click.IntRange(min=0), default=None,
-                     help="precompute policy: positions between sink and chunk  [default: min(1024, context/4)]")(f)
+                     help="precompute policy: positions between sink and chunk  [default: min(1024, model positions/4)]")(f)
     return click.option("--sink", type=click.Choice(["template", "bos", "none"]), default="template",
                         show_default=True, help="precompute policy: what each chunk is prefilled behind")(f)
 
@@ -113,12 +119,20 @@ def _model_options(f):
 
 
 def _engine(model_name: str, model_dtype: str, store, config=None, sink="template", gap=None, namespace="",
-            storage=None):
+            storage=None, context=None):
     """The BlendEngine every command builds from its options (model errors are clear, not tracebacks)."""
     from ragkv import models
+    from ragkv.policy import PrecomputePolicy
     from ragkv.writer import EngineSpec
 
-    spec = EngineSpec(model_name, model_dtype, sink=sink, gap=gap, namespace=namespace, storage=storage)
+    if context is None:
+        context = PrecomputePolicy.context
+    try:
+        PrecomputePolicy(sink, gap, context)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    spec = EngineSpec(model_name, model_dtype, sink=sink, gap=gap, context=context, namespace=namespace,
+                      storage=storage)
     try:
         return spec.build(store, config)
     except models.ModelNotFoundError as e:
@@ -147,8 +161,8 @@ def _engine(model_name: str, model_dtype: str, store, config=None, sink="templat
 @_policy_options
 @ray_options
 def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_dtype, quant_axis, namespace,
-               batch_tokens, shard, allow_eviction, as_json, progress, sink, gap, use_ray, ray_address, workers,
-               cpus_per_worker):
+               batch_tokens, shard, allow_eviction, as_json, progress, sink, gap, context, use_ray, ray_address,
+               workers, cpus_per_worker):
     """Chunk, prefill and store documents: .txt/.md files, .jsonl (field "text"), folders (recursive).
 
     Idempotent: chunks already in the store are skipped (and copied into tiers that lack them), so a
@@ -170,12 +184,13 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
         summary = precompute_ray(paths, store_uri, shard, allow_eviction, progress, ray_address, workers,
                                  cpus_per_worker, chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
                                  model=model_name, model_dtype=model_dtype, sink=sink, gap=gap,
-                                 namespace=namespace, storage=storage)
+                                 context=context, namespace=namespace, storage=storage)
         return _precompute_done(summary, paths, as_json)
     store = _open_store(store_uri)
     with store:
         _check([store])
-        engine = _engine(model_name, model_dtype, store, sink=sink, gap=gap, namespace=namespace, storage=storage)
+        engine = _engine(model_name, model_dtype, store, sink=sink, gap=gap, namespace=namespace, storage=storage,
+                         context=context)
         try:
             summary = run(engine, paths=list(paths), chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
                           shard=shard, allow_eviction=allow_eviction, progress=progress)
@@ -360,8 +375,8 @@ def _selectors(names: str, signal: str, check_layers: str | None) -> list:
 @click.option("--namespace", default="", help="Cache namespace (salt).")
 @click.option("--json", "json_out", default=None, callback=lambda c, p, v: v and _writable(v),
               help="Also write the report here.")
-def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, selectors, signal, check_layers, sink, gap, n_tokens,
-             repeats, namespace, json_out):
+def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, selectors, signal, check_layers, sink, gap,
+             context, n_tokens, repeats, namespace, json_out):
     """Measure how faithful blending is to full prefill on your own questions.
 
     Exit status 1 when some question could not be evaluated (the others are reported)."""
@@ -377,7 +392,7 @@ def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, select
     store = _open_store(store_uris)
     _check([store])
     engine = _engine(model_name, model_dtype, store, BlendConfig(selector=sels[0]), sink=sink, gap=gap,
-                     namespace=namespace)
+                     namespace=namespace, context=context)
 
     def progress(i, n):
         click.echo(f"  question {i}/{n}", err=True)

@@ -92,9 +92,9 @@ class _PrecomputeActor:
         for unit in batch["docs"]:
             docs = [tuple(d) for d in json.loads(unit)]
             todo = plan(self.engine, docs, self.chunk_tokens, None, tally)
-            planned.update((key, self.size(len(ids))) for key, ids in todo)
+            planned.update((key, self.size(len(ids))) for key, ids, _ in todo)
             if self.stop_reason:  # this actor stopped after repeated write failures: leave the rest
-                for key, _ in todo:
+                for key, _, _ in todo:
                     tally.record(key, "not_attempted")
             else:
                 self.stop_reason = write_chunks(self.engine, todo, self.batch_tokens, tally)

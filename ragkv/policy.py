@@ -10,12 +10,19 @@ K/V are discarded:
     sink="bos"                 only the BOS / first template token
     sink="none"                the chunk alone at position 0 (what naive implementations do)
 
-and, with ``gap``, the chunk starts ``gap`` positions after the sink instead of right behind it. In a
+With ``gap``, the chunk starts ``gap`` positions after the sink instead of right behind it. In a
 real prompt most chunks sit hundreds or thousands of positions after the prefix; a chunk prefilled at
 such a distance from its sink attends to it the way it will in the prompt (RoPE makes attention
 depend on distance), so its K/V deviate less once fused. Measured on SmolLM2 (benchmarks/blend):
 naive reuse fidelity 0.82 (no sink) -> 0.88 (template sink, gap 1024); blended at r = 0.15 0.90 -> 0.93.
 The default gap is ``min(1024, max_position_embeddings // 4)``.
+
+With ``context`` = k > 0 (default 1), a chunk is also prefilled behind its k most similar other
+chunks of the corpus the writer sees (ragkv.neighbours; the most similar one nearest), placed in the
+gap right before the chunk, and their K/V are discarded too: the stored K/V then already carry
+attention to text of the kind RAG retrieves beside the chunk (FusionRAG's neighbour-conditioned
+caches), which the read path's recompute otherwise has to restore. Zero cost at query time; the
+precompute job computes the neighbours' rows too. Measured in benchmarks/blend (RESULTS.md).
 
 The chunk is stored with ``start_pos = len(sink) + gap``; the read path re-rotates its keys from
 there. The policy id (sink, gap, version, digest of the sink ids) is part of every chunk key, so
@@ -34,6 +41,7 @@ from ragkv.adapter import ModelAdapter
 
 POLICY_VERSION = 1
 SINKS = ("template", "bos", "none")
+MAX_CONTEXT = 4  # neighbour chunks a chunk may be prefilled behind
 PREFIX_POLICY = f"prefix-v{POLICY_VERSION}"
 DEFAULT_GAP = 1024
 
@@ -41,23 +49,32 @@ DEFAULT_GAP = 1024
 @dataclass(frozen=True)
 class PrecomputePolicy:
     """``sink``: what each chunk is prefilled behind (its K/V are discarded). ``gap``: the chunk's first
-    position is ``len(sink) + gap`` (a chunk far from the sink, as most chunks are in a real prompt)."""
+    position is ``len(sink) + gap`` (a chunk far from the sink, as most chunks are in a real prompt).
+    ``context``: how many neighbour chunks fill the end of the gap right before the chunk (at most
+    ``gap`` tokens of them, the nearest kept); 0 = none (stores written by ragkv 0.1 had none:
+    read such a store with ``context=0``)."""
 
     sink: str = "template"
     gap: int | None = None  # None: min(1024, max_position_embeddings // 4), fixed by ``resolve``
+    context: int = 1
 
     def __post_init__(self):
         if self.sink not in SINKS:
             raise ValueError(f"unknown sink {self.sink!r}; valid: {', '.join(SINKS)}")
         if self.gap is not None and self.gap < 0:
             raise ValueError(f"gap must be >= 0, got {self.gap}")
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or not 0 <= self.context <= MAX_CONTEXT:
+            raise ValueError(f"context must be an integer from 0 to {MAX_CONTEXT} (neighbour chunks), got {self.context!r}")
+        if self.context and self.gap == 0:
+            raise ValueError(f"context={self.context} puts neighbour chunks in the gap before each chunk, and gap 0 "
+                             "leaves no room: give a gap > 0, or context=0 (--context 0)")
 
     def resolve(self, model) -> PrecomputePolicy:
         """This policy with its default gap fixed for ``model``."""
         if self.gap is not None:
             return self
         max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
-        return PrecomputePolicy(self.sink, min(DEFAULT_GAP, max_pos // 4))
+        return PrecomputePolicy(self.sink, min(DEFAULT_GAP, max_pos // 4), self.context)
 
     def sink_ids(self, template) -> list[int]:
         if self.sink == "none":
@@ -73,7 +90,8 @@ class PrecomputePolicy:
             b",".join(str(t).encode() for t in self.sink_ids(template)), digest_size=8
         ).hexdigest()
         gap = f"-gap{self.gap}" if self.gap else ""
-        return f"sink-{self.sink}{gap}-v{POLICY_VERSION}-{digest}"
+        context = f"-ctx{self.context}" if self.context else ""
+        return f"sink-{self.sink}{gap}{context}-v{POLICY_VERSION}-{digest}"
 
     def chunk_start(self, template) -> int:
         if self.gap is None:
@@ -123,10 +141,13 @@ def batches(lengths: Sequence[int], sink_len: int, batch_tokens: int) -> list[li
 
 @torch.inference_mode()
 def prefill_kv(
-    model, sink_ids: Sequence[int], chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, gap: int = 0
+    model, sink_ids: Sequence[int], chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, gap: int = 0,
+    contexts: Sequence[Sequence[int]] | None = None,
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Prefill every chunk behind ``sink_ids``; return per chunk, per layer (K, V), each
-    ``[kv_heads, len(chunk), head_dim]`` (keys rotated at positions len(sink) + gap + i).
+    """Prefill every chunk behind ``sink_ids`` (and behind ``contexts[i]``, which ends right before
+    chunk i: at most ``gap`` of its last tokens, at positions len(sink) + gap - len(context) ...);
+    return per chunk, per layer (K, V), each ``[kv_heads, len(chunk), head_dim]`` (keys rotated at
+    positions len(sink) + gap + i). Only the chunk's own rows are kept.
 
     Chunks are batched (``batches``; right-padded: with a causal mask, padding at the end never
     reaches a real token, so no attention mask is needed), one forward per batch.
@@ -140,16 +161,26 @@ def prefill_kv(
             f"a chunk of {longest} tokens behind a {s}-token sink and a gap of {gap} exceeds the model's "
             f"{limit} positions; use shorter chunks or a smaller PrecomputePolicy gap"
         )
+    if contexts is None:
+        contexts = [()] * len(chunks)
+    elif len(contexts) != len(chunks):
+        raise ValueError(f"{len(contexts)} contexts for {len(chunks)} chunks")
+    contexts = [list(c)[len(c) - min(len(c), gap):] for c in contexts]
     out: list = [None] * len(chunks)
-    for group in batches([len(c) for c in chunks], s, batch_tokens):
-        width = s + len(chunks[group[0]])
+    rows = [len(x) + len(c) for x, c in zip(contexts, chunks)]
+    for group in batches(rows, s, batch_tokens):
+        width = s + max(rows[ci] for ci in group)
         ids = torch.zeros((len(group), width), dtype=torch.long)
+        pos = torch.zeros((len(group), width), dtype=torch.long)
         for row, ci in enumerate(group):
-            ids[row, : s + len(chunks[ci])] = torch.tensor([*sink_ids, *chunks[ci]])
-        pos = torch.arange(width, device=adapter.device)
-        pos[s:] += gap
-        layers = adapter.prefill_layers(ids.to(adapter.device), pos[None].expand(len(group), -1))
+            n_ctx = len(contexts[ci])
+            ids[row, : s + rows[ci]] = torch.tensor([*sink_ids, *contexts[ci], *chunks[ci]])
+            # sink at 0.., then context + chunk contiguous, the chunk from s + gap; padding continues
+            pos[row, :s] = torch.arange(s)
+            pos[row, s : s + rows[ci]] = torch.arange(s + gap - n_ctx, s + gap + len(chunks[ci]))
+            pos[row, s + rows[ci] :] = s + gap + len(chunks[ci]) - 1  # padding: never past the chunk's end
+        layers = adapter.prefill_layers(ids.to(adapter.device), pos.to(adapter.device))
         for row, ci in enumerate(group):
-            n_tok = len(chunks[ci])
-            out[ci] = [(k[row, :, s : s + n_tok].clone(), v[row, :, s : s + n_tok].clone()) for k, v in layers]
+            a, b = s + len(contexts[ci]), s + rows[ci]
+            out[ci] = [(k[row, :, a:b].clone(), v[row, :, a:b].clone()) for k, v in layers]
     return out

@@ -143,7 +143,7 @@ def _size(n: float) -> str:
 def check_budget(engine: BlendEngine, todo, summary: PrecomputeSummary, allow_eviction: bool) -> None:
     """Refuse (OverBudget) a plan whose entries cannot fit a bounded tier of the store."""
     size = entry_bytes(engine)
-    summary.planned_bytes = sum(size(len(ids)) for _, ids in todo)
+    summary.planned_bytes = sum(size(len(ids)) for _, ids, _ in todo)
     for tier in getattr(engine.store, "tiers", [engine.store]):
         limit = getattr(tier, "max_bytes", None)
         if limit is None or summary.planned_bytes <= limit or allow_eviction:

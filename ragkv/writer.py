@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 
 from ragkv.chunking import chunk_spans
 from ragkv.keys import KEY_PREFIX
-from ragkv.policy import StorageFormat, batches
+from ragkv.neighbours import neighbour_contexts
+from ragkv.policy import PrecomputePolicy, StorageFormat, batches
 
 STOP_AFTER = 3  # consecutive write failures of one cause that stop the job
 _MAX_REPORTED_ERRORS = 20
@@ -45,6 +46,7 @@ class EngineSpec:
     store_uri: str = ""
     sink: str = "template"
     gap: int | None = None
+    context: int = PrecomputePolicy.context
     namespace: str = ""
     storage: StorageFormat | None = None  # None: entries in the model's dtype
 
@@ -59,12 +61,11 @@ class EngineSpec:
         """The BlendEngine (``store``: an open store, else one opened from ``store_uri``)."""
         from ragkv import models
         from ragkv.blend import BlendEngine
-        from ragkv.policy import PrecomputePolicy
         from ragkv.store import open_store
 
         model, tok = models.load(self.model, dtype=self.model_dtype)
         store = open_store(self.store_uri) if store is None else store
-        return BlendEngine(model, tok, store, config, policy=PrecomputePolicy(self.sink, self.gap),
+        return BlendEngine(model, tok, store, config, policy=PrecomputePolicy(self.sink, self.gap, self.context),
                            storage=self.storage, namespace=self.namespace)
 
 
@@ -112,11 +113,15 @@ def triage(store, key: str) -> str:
     return "todo"
 
 
-def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None) -> list[tuple[str, list[int]]]:
+def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None) -> list[tuple[str, list[int], list[int]]]:
     """Chunk every document and triage each distinct chunk of ``shard`` ((I, N) or None): the
-    chunks to compute, as (key, token ids). ``summary.chunks`` = distinct chunks seen."""
+    chunks to compute, as (key, token ids, context ids). ``summary.chunks`` = distinct chunks seen.
+
+    Under ``context=k`` a chunk's context is its k nearest chunks among every chunk of ``docs`` (all
+    shards: every shard of one corpus picks the same neighbours); otherwise it is empty."""
     template, store = engine.template, engine.store
     seen: set[str] = set()
+    pool: dict[str, list[int]] = {}  # every distinct chunk of the corpus, for neighbours
     todo: list[tuple[str, list[int]]] = []
     done_chars = 0
     for doc_id, text in docs:
@@ -134,6 +139,8 @@ def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None) -> list
         for s, e in spans:
             ids = template.chunk_ids(text[s:e])
             key = engine.chunk_key(ids)
+            if engine.policy.context:
+                pool.setdefault(key, ids)
             if (shard and key_shard(key, shard[1]) != shard[0]) or key in seen:
                 continue
             seen.add(key)
@@ -143,7 +150,10 @@ def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None) -> list
             else:
                 tally.record(key, verdict)
     tally.summary.chunks = len(seen)
-    return todo
+    if not engine.policy.context:
+        return [(key, ids, []) for key, ids in todo]
+    contexts = neighbour_contexts([ids for _, ids in todo], list(pool.values()), engine.policy.context)
+    return [(key, ids, ctx) for (key, ids), ctx in zip(todo, contexts)]
 
 
 class EntryWriter:
@@ -177,7 +187,7 @@ class EntryWriter:
         eng = self.engine
         while (item := self.q.get()) is not None:
             batch, kvs = item
-            for (key, ids), kv in zip(batch, kvs):
+            for (key, ids, _), kv in zip(batch, kvs):
                 if self.stop_reason:  # stopping: the rest is left for the rerun, not attempted
                     break
                 self.written.add(key)
@@ -206,18 +216,19 @@ class EntryWriter:
 
 
 def write_chunks(engine, todo, batch_tokens: int, tally: Tally, on_done=lambda n_chunks, n_tokens: None):
-    """Prefill and write every (key, ids) of ``todo``; -> the stop reason (None: every chunk was
-    attempted). Chunks left unattempted by a stop are recorded as 'not_attempted'."""
+    """Prefill (behind its context) and write every (key, ids, context) of ``todo``; -> the stop reason
+    (None: every chunk was attempted). Chunks left unattempted by a stop are recorded as 'not_attempted'."""
     writer = EntryWriter(engine, tally, on_done)
     try:
-        for group in batches([len(ids) for _, ids in todo], len(engine.sink_ids), batch_tokens):
+        for group in batches([len(ids) + len(ctx) for _, ids, ctx in todo], len(engine.sink_ids), batch_tokens):
             if writer.stop_reason:
                 break
             batch = [todo[i] for i in group]
             try:
-                kvs = engine.prefill_chunks([ids for _, ids in batch], batch_tokens)
+                kvs = engine.prefill_chunks([ids for _, ids, _ in batch], batch_tokens,
+                                            contexts=[ctx for _, _, ctx in batch])
             except Exception as e:
-                for key, _ in batch:
+                for key, _, _ in batch:
                     writer.written.add(key)
                     tally.record(key, "failed")
                 tally.note(f"prefill of {len(batch)} chunks: {type(e).__name__}: {e}")
@@ -228,7 +239,7 @@ def write_chunks(engine, todo, batch_tokens: int, tally: Tally, on_done=lambda n
     finally:
         writer.close()
     if writer.stop_reason:
-        for key, _ in todo:
+        for key, _, _ in todo:
             if key not in writer.written:
                 tally.record(key, "not_attempted")
     return writer.stop_reason

@@ -383,14 +383,14 @@ def test_every_precompute_policy_blends_exactly_at_ratio_one(sink, gap):
 
     model = models.tiny_model("llama")
     prompt = make_prompt(seed=23)
-    eng = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(sink, gap))
+    eng = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(sink, gap, int(gap > 0)))
     eng.prefill_prompt(prompt)
     meta = eng.store.get_meta(eng.chunk_key(prompt.chunk_ids[0]))
     assert meta.start_pos == {"none": 0, "bos": 1, "template": 4}[sink] + gap == eng.chunk_start
     res = eng.prefill_prompt(prompt, ratio=1.0)
     assert res.stats.hits == 3
     torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
-    other = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(sink, gap + 1))
+    other = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(sink, gap + 1, int(gap > 0)))
     assert other.chunk_key(prompt.chunk_ids[0]) != eng.chunk_key(prompt.chunk_ids[0])  # policies never mix
 
 

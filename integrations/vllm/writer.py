@@ -65,5 +65,5 @@ def write_back(engine, job) -> int:
     missing = [s for s in segs if not engine.store.contains(s.key)]
     if missing:
         with engine.model_lock:
-            engine.compute_and_store(missing)
+            engine.compute_and_store(missing, pool=prompt.chunk_ids)
     return len(missing)

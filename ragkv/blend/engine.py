@@ -34,6 +34,7 @@ from ragkv.blend.request import BlendRequest
 from ragkv.blend.result import BlendResult, BlendStats
 from ragkv.keys import chunk_key
 from ragkv.models import fingerprint
+from ragkv.neighbours import neighbour_contexts
 from ragkv.policy import PREFIX_POLICY, PrecomputePolicy, StorageFormat, prefill_kv
 from ragkv.prompt import Prompt, PromptTemplate
 from ragkv.store.entry import EntryMeta, encode
@@ -107,12 +108,19 @@ class BlendEngine:
             storage_dtype=storage, quant_axis=axis, fingerprint=self.fingerprint, policy=policy,
         )
 
-    def prefill_chunks(self, chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, prefix: bool = False):
+    def prefill_chunks(self, chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, prefix: bool = False,
+                       pool: Sequence[Sequence[int]] | None = None, contexts: Sequence[Sequence[int]] | None = None):
         """Per chunk, per layer (K, V) of each chunk prefilled on its own under the precompute policy
-        (the exact prefix: at position 0, behind nothing)."""
+        (the exact prefix: at position 0, behind nothing). Under ``context=k`` each chunk is prefilled
+        behind ``contexts[i]`` if given, else its k nearest chunks of ``pool`` (default: ``chunks``
+        themselves; ragkv.neighbours)."""
         if prefix:
             return prefill_kv(self.model, [], chunks, batch_tokens, gap=0)
-        return prefill_kv(self.model, self.sink_ids, chunks, batch_tokens, gap=self.policy.gap)
+        if not self.policy.context:
+            contexts = None
+        elif contexts is None:
+            contexts = neighbour_contexts(chunks, chunks if pool is None else pool, self.policy.context)
+        return prefill_kv(self.model, self.sink_ids, chunks, batch_tokens, gap=self.policy.gap, contexts=contexts)
 
     def write_entry(self, key: str, ids: Sequence[int], kv, prefix: bool = False) -> int:
         """Encode and store one chunk's K/V; -> bytes written (0: the store already held it).
@@ -121,14 +129,16 @@ class BlendEngine:
         enc = encode(self.entry_meta(key, ids, start, policy), kv)
         return enc.nbytes if self.store.put_encoded(key, enc) else 0
 
-    def compute_and_store(self, segments: Sequence[Segment], write_back: bool = True) -> None:
+    def compute_and_store(self, segments: Sequence[Segment], write_back: bool = True,
+                          pool: Sequence[Sequence[int]] | None = None) -> None:
         """Prefill segments on their own under the policy (``seg.layers``) and write them back; a
-        failed write-back (store down or full) is logged and never fails the request."""
+        failed write-back (store down or full) is logged and never fails the request. ``pool``: the
+        chunks neighbours are chosen from under ``context=k`` (the prompt's chunks)."""
         for prefix in (True, False):
             group = [s for s in segments if s.is_prefix == prefix]
             if not group:
                 continue
-            kvs = self.prefill_chunks([s.ids for s in group], prefix=prefix)
+            kvs = self.prefill_chunks([s.ids for s in group], prefix=prefix, pool=pool)
             for seg, kv in zip(group, kvs):
                 seg.layers, seg.stored_start = kv, 0 if prefix else self.chunk_start
                 if not write_back:
@@ -144,7 +154,7 @@ class BlendEngine:
         segs = [Segment(self.chunk_key(ids), ids, 0) for ids in chunks]
         missing = [s for s in segs if not self.store.contains(s.key)]
         if missing:
-            self.compute_and_store(missing)
+            self.compute_and_store(missing, pool=chunks)
         return [s.key for s in segs], len(missing)
 
     # ------------------------------------------------------------------ the read path
@@ -196,7 +206,7 @@ class BlendEngine:
         stats.misses = sum(not s.is_prefix for s in missing)
         stats.hits = sum(not s.is_prefix for s in segments) - stats.misses
         if missing:
-            self.compute_and_store(missing)
+            self.compute_and_store(missing, pool=[s.ids for s in segments if not s.is_prefix])
 
     def _meta_matches(self, meta: EntryMeta, seg: Segment) -> bool:
         a = self.adapter

@@ -192,4 +192,4 @@ class BlendRequest:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         if miss.reason in ("error", "timeout"):
             self.write_back = False  # do not wait on a failing store again
-        self.engine.compute_and_store([seg], write_back=self.write_back)
+        self.engine.compute_and_store([seg], write_back=self.write_back, pool=self.prompt.chunk_ids)
