@@ -6,7 +6,8 @@ benchmark set of 4 genres (corpus.py; sources and build in data/README.md).
         --out benchmarks/blend/results/test-bf16.json
     python benchmarks/blend/report.py benchmarks/blend/results/*.json     # tables + Pareto plots
 
-Per prompt: chunk K/V precomputed into a disk store (not timed); HF full prefill (sdpa, the model's own
+First the split's whole corpus is precomputed into a disk store (``ragkv precompute``'s job, under the
+precompute policy given by ``--context``; not timed). Per prompt: HF full prefill (sdpa, the model's own
 forward building its cache) timed ``--repeats`` times (median) and its greedy answer (32 tokens) as the
 reference; per method and ratio: the blended request timed ``--repeats`` times (median, pipelined
 loading from the disk store, page cache warm), its teacher-forced fidelity (top-1 agreement with full
@@ -35,6 +36,8 @@ from ragkv import models
 from ragkv.blend import SELECTORS, BlendConfig, BlendEngine
 from ragkv.blend.select import make_selector
 from ragkv.evaluate import agreeing_prefix, kl_divergence, teacher_forced_agreement
+from ragkv.policy import PrecomputePolicy
+from ragkv.precompute import precompute
 from ragkv.store import open_store
 
 N_TOKENS = 32
@@ -81,7 +84,9 @@ def timed(fn, repeats: int):
 @torch.inference_mode()
 def run_prompt(engine: BlendEngine, p: dict, methods, ratios, repeats: int) -> dict:
     a, tok = engine.adapter, engine.tokenizer
-    engine.ensure(p["contexts"])
+    _, computed = engine.ensure(p["contexts"])
+    if computed:  # every chunk of a prompt is a chunk of the corpus: precompute stored it
+        print(f"warning: {p['id']}: {computed} chunk(s) were not in the store and were computed now", flush=True)
     prompt = engine.build_prompt(p["question"], p["contexts"])
     ids = torch.tensor([prompt.input_ids], device=a.device)
     full_ttft, (logits, cache) = timed(lambda: a.forward(ids, logits_to_keep=1), repeats)
@@ -120,6 +125,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
     ap.add_argument("--per-genre", type=int, default=None, help="first N prompts of each genre only")
     ap.add_argument("--store", default=None, help="store URI (default: a disk store beside --out)")
+    ap.add_argument("--context", type=int, default=None,
+                    help="precompute policy's neighbour chunks (default: the policy's); the split's documents are "
+                         "precomputed first, so neighbours come from the corpus as in `ragkv precompute`")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true")
@@ -132,13 +140,19 @@ def main() -> None:
     model, tok = models.load("smollm2-135m", dtype=args.dtype)
     dtype = str(model.dtype).removeprefix("torch.")
     store = open_store(args.store or f"disk://{out.parent.resolve()}/store-{dtype}?max_bytes=20G")
-    engine = BlendEngine(model, tok, store, BlendConfig())
+    policy = PrecomputePolicy() if args.context is None else PrecomputePolicy(context=args.context)
+    engine = BlendEngine(model, tok, store, BlendConfig(), policy=policy)
+    t0 = time.time()
+    done = precompute(engine, texts=corpus.documents(args.split))
+    print(f"precomputed the {args.split} corpus under {engine.policy_id}: {done.new} new, {done.skipped} stored "
+          f"({time.time() - t0:.0f} s)", flush=True)
     prompts = corpus.load(args.split)
     if args.per_genre:
         prompts = [p for p in prompts if sum(q["genre"] == p["genre"] for q in prompts[: prompts.index(p)]) < args.per_genre]
     prompts = prompts[: args.limit]
     report = {"meta": {"command": "python " + " ".join(sys.argv), "model": "SmolLM2-135M-Instruct", "dtype": dtype,
                        "threads": torch.get_num_threads(), "split": args.split, "per_genre": args.per_genre, "repeats": args.repeats,
+                       "policy": engine.policy_id,
                        "methods": [m for m, _ in methods], "ratios": ratios, "n_tokens": N_TOKENS,
                        "started": time.strftime("%Y-%m-%d %H:%M")}, "prompts": []}
     if args.resume and out.exists():

@@ -40,6 +40,14 @@ def load(split: str = "test", genres: list[str] | None = None) -> list[dict]:
             if split in ("all", p["split"]) and (genres is None or p["genre"] in genres)]
 
 
+def documents(split: str = "test") -> list[str]:
+    """The texts of the split's source documents (what a user would precompute: every chunk of the
+    prompts is a chunk of one of them under ragkv's chunker at 512 tokens)."""
+    if split not in (*SPLITS, "all"):
+        raise ValueError(f"split must be one of {SPLITS} or 'all', got {split!r}")
+    return [d["text"] for d in _read("documents.jsonl") if split in ("all", d["split"])]
+
+
 def stats(split: str = "all") -> None:
     from ragkv import models
     from ragkv.prompt import PromptTemplate

@@ -56,6 +56,7 @@ from ragkv import models
 from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.blend import attention as attention_mod
 from ragkv.blend.select import DeviationSelector, Schedule, Selector
+from ragkv.policy import PrecomputePolicy
 from ragkv.store import open_store
 
 N_TOKENS = 32
@@ -206,7 +207,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     dtype = str(model.dtype).removeprefix("torch.")
     store = open_store(f"disk://{out.parent.resolve()}/store-{dtype}?max_bytes=20G")
-    engine = BlendEngine(model, tok, store, BlendConfig())
+    # context 0: the stored K/V the committed results (selection-proxy-fp32.*) were measured on
+    engine = BlendEngine(model, tok, store, BlendConfig(), policy=PrecomputePolicy(context=0))
     prompts = corpus.load(args.split)
     prompts = [p for g in corpus.GENRES for p in [q for q in prompts if q["genre"] == g][: args.per_genre]]
     rows = []

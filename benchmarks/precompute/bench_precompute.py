@@ -8,6 +8,10 @@
              tokenizing, keys, contains, prefill_kv, encode + fsync'd atomic writes (background thread)
     tokens/s counts chunk tokens (the cached ones) for both; the ratio is ours / plain.
 
+Both sides run the chunks behind the sink only (``PrecomputePolicy(context=0)``): this measures
+ragkv's overhead around the forward. The default policy (context=1) also runs each chunk's nearest
+neighbour through the model, about twice the tokens; its cost is in RESULTS.md.
+
     .venv/bin/python benchmarks/precompute/bench_precompute.py [--chunks 20] [--repeats 2]
 """
 
@@ -25,7 +29,7 @@ import torch
 from ragkv import models
 from ragkv.blend import BlendEngine
 from ragkv.chunking import chunk_document
-from ragkv.policy import StorageFormat, batches
+from ragkv.policy import PrecomputePolicy, StorageFormat, batches
 from ragkv.precompute import precompute
 from ragkv.store import open_store
 
@@ -73,7 +77,8 @@ def main() -> None:
 
     model, tok = models.load(args.model)
     texts = corpus_chunks(tok, args.chunks, args.chunk_tokens)
-    engine = BlendEngine(model, tok, open_store("memory"))  # keys/sink only; warms the fingerprint
+    policy = PrecomputePolicy(context=0)  # like with like: plain_forward runs sink + chunk only
+    engine = BlendEngine(model, tok, open_store("memory"), policy=policy)  # keys/sink only; warms the fingerprint
     n_tok = sum(len(engine.template.chunk_ids(t)) for t in texts)
     plain_forward(model, engine, texts[:2], args.batch_tokens)  # warm-up
     plain, ours, secs, mib = [], [], [], 0.0
@@ -82,7 +87,7 @@ def main() -> None:
         root = tempfile.mkdtemp(prefix="ragkv-bench-")
         try:
             with open_store(f"disk://{root}") as store:
-                eng = BlendEngine(model, tok, store, storage=StorageFormat(args.dtype))
+                eng = BlendEngine(model, tok, store, storage=StorageFormat(args.dtype), policy=policy)
                 s = precompute(eng, texts=texts, chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens)
             assert s.failed == 0 and s.new == len(texts), s.describe()
             ours.append(s.tokens_per_s)
