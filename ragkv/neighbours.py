@@ -38,26 +38,27 @@ def tfidf(chunks: Sequence[Sequence[int]]) -> torch.Tensor:
                                    check_invariants=True).coalesce()
 
 
-def lexical_neighbours(chunks: Sequence[Sequence[int]], k: int, block: int = 256) -> list[list[int]]:
-    """For each chunk, the indices of its ``k`` most similar other chunks, most similar first (ties
-    by index); fewer when fewer chunks share a weighted token with it (a token in every chunk weighs
-    nothing). ``chunks``: token ids."""
+def lexical_neighbours(chunks: Sequence[Sequence[int]], k: int, block: int = 256,
+                       rows: Sequence[int] | None = None) -> list[list[int]]:
+    """For each chunk (or each of ``rows``), the indices of its ``k`` most similar other chunks, most
+    similar first (ties by index); fewer when fewer chunks share a weighted token with it (a token in
+    every chunk weighs nothing). ``chunks``: token ids, the whole corpus the weights come from."""
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
     n = len(chunks)
-    if n == 0 or k == 0:
-        return [[] for _ in range(n)]
+    rows = list(range(n)) if rows is None else list(rows)
+    if n == 0 or k == 0 or not rows:
+        return [[] for _ in rows]
     m = tfidf(chunks)
     m_t = m.t().coalesce()  # [vocab, N], sparse
     keys = [tuple(ids) for ids in chunks]
     out: list[list[int]] = []
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
+    for lo in range(0, len(rows), block):
+        part = rows[lo : lo + block]
         with warnings.catch_warnings():  # "sparse CSR support is in beta", raised inside torch.sparse.mm
             warnings.simplefilter("ignore", UserWarning)
-            sims = torch.sparse.mm(m.index_select(0, torch.arange(lo, hi)), m_t).to_dense()  # [b, N]
-        for r in range(hi - lo):
-            out.append(_top(sims[r], lo + r, k, keys))
+            sims = torch.sparse.mm(m.index_select(0, torch.tensor(part, dtype=torch.long)), m_t).to_dense()  # [b, N]
+        out.extend(_top(sims[r], i, k, keys) for r, i in enumerate(part))
     return out
 
 
@@ -84,5 +85,6 @@ def neighbour_contexts(chunks: Sequence[Sequence[int]], pool: Sequence[Sequence[
         if t not in index:
             index[t] = len(universe)
             universe.append(t)
-    near = lexical_neighbours(universe, k)
-    return [[t for j in reversed(near[index[tuple(ids)]]) for t in universe[j]] for ids in chunks]
+    wanted = [index[tuple(ids)] for ids in chunks]
+    near = lexical_neighbours(universe, k, rows=wanted)
+    return [[t for j in reversed(nb) for t in universe[j]] for nb in near]

@@ -25,7 +25,7 @@ caches), which the read path's recompute otherwise has to restore. Zero cost at 
 precompute job computes the neighbours' rows too. Measured in benchmarks/blend (RESULTS.md).
 
 The chunk is stored with ``start_pos = len(sink) + gap``; the read path re-rotates its keys from
-there. The policy id (sink, gap, version, digest of the sink ids) is part of every chunk key, so
+there. The policy id (sink, gap, context, version, digest of the sink ids) is part of every chunk key, so
 entries made under another policy are never mixed in. ``benchmarks/blend`` measures the variants.
 """
 
@@ -175,7 +175,7 @@ def prefill_kv(
         for row, ci in enumerate(group):
             n_ctx = len(contexts[ci])
             ids[row, : s + rows[ci]] = torch.tensor([*sink_ids, *contexts[ci], *chunks[ci]])
-            # sink at 0.., then context + chunk contiguous, the chunk from s + gap; padding continues
+            # sink at 0.., then context + chunk contiguous, the chunk from s + gap
             pos[row, :s] = torch.arange(s)
             pos[row, s : s + rows[ci]] = torch.arange(s + gap - n_ctx, s + gap + len(chunks[ci]))
             pos[row, s + rows[ci] :] = s + gap + len(chunks[ci]) - 1  # padding: never past the chunk's end
