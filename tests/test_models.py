@@ -1,10 +1,13 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from ragkv import models
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def chat_ids(tokenizer, question: str) -> torch.Tensor:
@@ -72,9 +75,15 @@ def test_fingerprint_separates_models_and_is_stable():
 
 
 def test_top_level_kernels_and_integrations_names_stay_free(tmp_path):
-    for name in ("kernels", "integrations"):
-        r = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, capture_output=True)
-        assert r.returncode != 0, f"top-level '{name}' is importable"
+    r = subprocess.run([sys.executable, "-c", "import integrations"], cwd=tmp_path, capture_output=True)
+    assert r.returncode != 0, "top-level 'integrations' is importable"
+    # `kernels` is Hugging Face's package (transformers >= 5.25 requires it): it may exist, never as ours
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '')"
+    for cwd in (tmp_path, REPO):  # from the checkout root too, once ragkv is imported
+        r = subprocess.run([sys.executable, "-c", f"import ragkv; {code}"], cwd=cwd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        origin = r.stdout.strip()
+        assert not origin or not origin.startswith(str(REPO)), f"top-level 'kernels' resolves to ours: {origin}"
     r = subprocess.run([sys.executable, "-c", "import ragkv.kernels, ragkv.integrations"], cwd=tmp_path)
     assert r.returncode == 0
 
