@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N prompts only")
     ap.add_argument("--per-genre", type=int, default=None, help="first N prompts of each genre only")
     ap.add_argument("--store", default=None, help="store URI (default: a disk store beside --out)")
-    ap.add_argument("--context", type=int, default=None,
+    ap.add_argument("--context", type=int, default=PrecomputePolicy.context,
                     help="precompute policy's neighbour chunks (default: the policy's); the split's documents are "
                          "precomputed first, so neighbours come from the corpus as in `ragkv precompute`")
     ap.add_argument("--threads", type=int, default=None)
@@ -140,8 +140,7 @@ def main() -> None:
     model, tok = models.load("smollm2-135m", dtype=args.dtype)
     dtype = str(model.dtype).removeprefix("torch.")
     store = open_store(args.store or f"disk://{out.parent.resolve()}/store-{dtype}?max_bytes=20G")
-    policy = PrecomputePolicy() if args.context is None else PrecomputePolicy(context=args.context)
-    engine = BlendEngine(model, tok, store, BlendConfig(), policy=policy)
+    engine = BlendEngine(model, tok, store, BlendConfig(), policy=PrecomputePolicy(context=args.context))
     t0 = time.time()
     done = precompute(engine, texts=corpus.documents(args.split))
     print(f"precomputed the {args.split} corpus under {engine.policy_id}: {done.new} new, {done.skipped} stored "

@@ -109,18 +109,14 @@ class BlendEngine:
         )
 
     def prefill_chunks(self, chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, prefix: bool = False,
-                       pool: Sequence[Sequence[int]] | None = None, contexts: Sequence[Sequence[int]] | None = None):
+                       contexts: Sequence[Sequence[int]] | None = None):
         """Per chunk, per layer (K, V) of each chunk prefilled on its own under the precompute policy
-        (the exact prefix: at position 0, behind nothing). Under ``context=k`` each chunk is prefilled
-        behind ``contexts[i]`` if given, else its k nearest chunks of ``pool`` (default: ``chunks``
-        themselves; ragkv.neighbours)."""
+        (the exact prefix: at position 0, behind nothing); under ``context=k``, behind ``contexts[i]``
+        (``neighbour_contexts``: its k nearest chunks of the corpus the writer sees)."""
         if prefix:
             return prefill_kv(self.model, [], chunks, batch_tokens, gap=0)
-        if not self.policy.context:
-            contexts = None
-        elif contexts is None:
-            contexts = neighbour_contexts(chunks, chunks if pool is None else pool, self.policy.context)
-        return prefill_kv(self.model, self.sink_ids, chunks, batch_tokens, gap=self.policy.gap, contexts=contexts)
+        return prefill_kv(self.model, self.sink_ids, chunks, batch_tokens, gap=self.policy.gap,
+                          contexts=contexts if self.policy.context else None)
 
     def write_entry(self, key: str, ids: Sequence[int], kv, prefix: bool = False) -> int:
         """Encode and store one chunk's K/V; -> bytes written (0: the store already held it).
@@ -138,7 +134,11 @@ class BlendEngine:
             group = [s for s in segments if s.is_prefix == prefix]
             if not group:
                 continue
-            kvs = self.prefill_chunks([s.ids for s in group], prefix=prefix, pool=pool)
+            ids = [s.ids for s in group]
+            contexts = None
+            if not prefix and self.policy.context:
+                contexts = neighbour_contexts(ids, ids if pool is None else pool, self.policy.context)
+            kvs = self.prefill_chunks(ids, prefix=prefix, contexts=contexts)
             for seg, kv in zip(group, kvs):
                 seg.layers, seg.stored_start = kv, 0 if prefix else self.chunk_start
                 if not write_back:
