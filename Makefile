@@ -9,9 +9,6 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.ragkv-installed
 export RAGKV_HOME ?= $(HOME)/.cache/ragkv
-# never put the working directory on sys.path: the repository root's kernels/ (ragkv.kernels once
-# installed) would shadow Hugging Face's top-level `kernels` package, which transformers >= 5.25 imports
-export PYTHONSAFEPATH := 1
 
 .PHONY: install demo test test-fast lint bench clean-venv vllm-install test-vllm
 

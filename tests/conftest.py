@@ -6,23 +6,15 @@ import os
 import sys
 from pathlib import Path
 
-# The repository root holds `kernels/` (installed as ragkv.kernels). transformers >= 5.25 imports
-# Hugging Face's own top-level `kernels` package, and with the root on sys.path (`python -m pytest`
-# and `python -c` put the working directory first) ours would shadow it. Keep the root off sys.path
-# here, and in every Python subprocess a test starts (PYTHONSAFEPATH: no cwd / script dir prepended).
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
-os.environ["PYTHONSAFEPATH"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Triton kernels run on CPU tensors only under the interpreter, which must be chosen before triton is
 # imported; on a CUDA machine the real kernels run.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ragkv import models  # noqa: E402
+from ragkv import models
 
 # shared test helpers (redis_server.py) live beside this file; make them importable from every test dir
 sys.path.insert(0, str(Path(__file__).parent))

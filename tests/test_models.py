@@ -80,7 +80,7 @@ def test_top_level_kernels_and_integrations_names_stay_free(tmp_path):
     assert r.returncode != 0, "top-level 'integrations' is importable"
     # `kernels` is Hugging Face's package (transformers >= 5.25 requires it): it may exist, never as ours
     code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '')"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # `-c` puts the cwd on sys.path
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # keep `-c` putting the cwd on sys.path
     for cwd in (tmp_path, REPO):  # from the checkout root too, once ragkv is imported
         r = subprocess.run([sys.executable, "-c", f"import ragkv; {code}"], cwd=cwd, capture_output=True, text=True,
                            env=env)
