@@ -4,7 +4,9 @@
 2. blended answers: each question retrieves its documents in another order/combination; their cached
    K/V are fused at the new positions and the tokens the question needs are recomputed
 3. against HF full prefill of the same prompt, in the same dtype (the machine's fastest: bfloat16
-   where the CPU or GPU computes it natively): TTFT, and whether the answers are the same
+   where the CPU or GPU computes it natively): TTFT, and whether the answers are the same; where they
+   differ, the first differing token and how sure full prefill itself was there (its logit lead of
+   its token over the blend's: near 0 is a near-tie that any small error flips)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from ragkv import models
 from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.evaluate import agreeing_prefix, divergence_margin, teacher_forced_logits
 from ragkv.models import ragkv_home
 from ragkv.store import open_store
 
@@ -43,7 +46,7 @@ def main() -> None:
     cfg = engine.config
     print(f"[blend] {cfg.selector.name} selection, ratio {cfg.ratio}, model in {dtype}\n")
 
-    speedups, same = [], 0
+    speedups, same, leads = [], 0, []
     for row in rows:
         prompt = engine.build_prompt(row["question"], row["contexts"])
         ids = torch.tensor([prompt.input_ids])
@@ -53,21 +56,33 @@ def main() -> None:
             full_ttft = time.perf_counter() - t
             cache.crop(-1)
             full = a.generate(ids, cache, tokenizer, max_new_tokens=NEW_TOKENS)
+            a.truncate(cache, prompt.num_tokens - 1)  # not timed: full prefill's logits along its answer
+            ref_logits = teacher_forced_logits(a, ids[0, -1:], cache, full)
         res = engine.prefill_prompt(prompt)
         new = a.generate(res.input_ids, res.cache, tokenizer, max_new_tokens=NEW_TOKENS)
         answer = tokenizer.decode(new, skip_special_tokens=True).strip()
         full_answer = tokenizer.decode(full, skip_special_tokens=True).strip()
         equal = new.tolist() == full.tolist()
         same += equal
+        lead = divergence_margin(ref_logits, new, full)
+        if lead is not None:
+            k = agreeing_prefix(new, full)
+            leads.append(lead)
+            differ = (f"   differs at token {k + 1}: {tokenizer.decode(full[k:k + 1])!r} (full prefill) vs "
+                      f"{tokenizer.decode(new[k:k + 1])!r}; full prefill's own lead there: {lead:.2f} logits\n")
+        else:
+            differ = "   [same answer]\n" if equal else ""
         s = res.stats
         speedups.append(full_ttft / s.t_total)
-        print(f"Q: {row['question']}\nA (blended):      {answer}\nA (full prefill): {full_answer}"
-              f"{'   [same answer]' if equal else ''}\n"
+        print(f"Q: {row['question']}\nA (blended):      {answer}\nA (full prefill): {full_answer}\n{differ}"
               f"   {s.prompt_tokens} prompt tokens, chunks {s.hits} hit/{s.misses} miss, recomputed "
               f"{s.recomputed_tokens}/{s.reused_tokens} reused tokens | TTFT blend {s.t_total:.3f} s vs full "
               f"prefill {full_ttft:.3f} s ({full_ttft / s.t_total:.1f}x) | expected: {row['answer']}\n")
     print(f"{dtype}: blended answer equal to full prefill's ({NEW_TOKENS} greedy tokens) in {same}/{len(rows)} "
           f"questions; median TTFT speedup {statistics.median(speedups):.1f}x against HF full prefill in {dtype}")
+    if leads:
+        print(f"where they differ, full prefill's own lead of its token over the blend's was "
+              f"{', '.join(f'{x:.2f}' for x in sorted(leads))} logits (near 0: full prefill itself was undecided)")
 
 
 if __name__ == "__main__":

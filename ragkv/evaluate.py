@@ -7,6 +7,10 @@ prefill, and blending with each selector at each ratio (0 = naive reuse) — it 
              full prefill's greedy answer (1.0 for full prefill by definition)
   same_answer  share of questions whose free-running greedy answer equals full prefill's over those
              tokens; ``agree_tokens``: mean number of tokens before the first divergence
+  div_margin at each question's first divergence, full prefill's own logit lead of its token over
+             the one the method chose (the log of their probability ratio under full prefill); median
+             over the diverging questions. Near 0: full prefill itself was undecided there (a near-tie
+             that any small error flips); large: the method changed a decision full prefill was sure of
   kl         KL(full || method) of the first generated token's distribution
   f1         token F1 of the method's greedy answer against ``answer`` (when given)
 and the blend's time split (lookup, load, fuse/re-rotate, recompute). A question that cannot run
@@ -87,15 +91,35 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
+def teacher_forced_logits(adapter, last_id: torch.Tensor, cache, target: torch.Tensor) -> torch.Tensor:
+    """Next-token logits [len(target), vocab] at every answer position, feeding ``target`` itself as
+    the continuation of a prompt whose last token ``last_id`` ([1]) is not yet in ``cache``. Consumes
+    ``cache``."""
+    ids = torch.cat([last_id, target[:-1]])[None]
+    past = cache.get_seq_length()
+    logits, _ = adapter.forward(ids, cache, torch.arange(past, past + ids.shape[1], device=ids.device)[None])
+    return logits[0].float()
+
+
 def teacher_forced_agreement(adapter, res: BlendResult, target: torch.Tensor) -> float:
     """Fraction of positions where the method's greedy choice equals ``target`` (full prefill's greedy
     answer), feeding ``target`` itself as the continuation. Consumes ``res.cache``."""
     if target.numel() == 0:
         return 1.0
-    ids = torch.cat([res.input_ids[0, -1:], target[:-1]])[None]
-    past = res.cache.get_seq_length()
-    logits, _ = adapter.forward(ids, res.cache, torch.arange(past, past + ids.shape[1], device=ids.device)[None])
-    return float((logits[0].argmax(-1) == target).float().mean())
+    logits = teacher_forced_logits(adapter, res.input_ids[0, -1:], res.cache, target)
+    return float((logits.argmax(-1) == target).float().mean())
+
+
+def divergence_margin(ref_logits: torch.Tensor, answer: torch.Tensor, target: torch.Tensor) -> float | None:
+    """Full prefill's own logit lead of its token over ``answer``'s at the first position where
+    ``answer`` leaves ``target`` (full prefill's greedy answer; ``ref_logits``: its teacher-forced
+    logits, ``teacher_forced_logits``). None when ``answer`` follows ``target`` throughout, or stops
+    before it (there is no second token to compare)."""
+    k = agreeing_prefix(answer, target)
+    if k >= min(answer.numel(), target.numel()):
+        return None
+    lead = ref_logits[k, target[k]] - ref_logits[k, answer[k]]
+    return float(lead.clamp_min(0.0))  # target is full prefill's argmax there: >= 0 but for rounding
 
 
 def agreeing_prefix(answer: torch.Tensor, target: torch.Tensor) -> int:
@@ -111,6 +135,7 @@ class MethodStats:
     fidelity: list[float] = field(default_factory=list)
     same_answer: list[float] = field(default_factory=list)
     agree_tokens: list[int] = field(default_factory=list)
+    div_margin: list[float | None] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     f1: list[float] = field(default_factory=list)
     split: dict[str, list[float]] = field(default_factory=dict)
@@ -121,6 +146,8 @@ class MethodStats:
         d = {"ttft_s": statistics.median(self.ttft_s), "fidelity": statistics.fmean(self.fidelity),
              "same_answer": statistics.fmean(self.same_answer), "agree_tokens": statistics.fmean(self.agree_tokens),
              "kl": statistics.fmean(self.kl)}
+        leads = [m for m in self.div_margin if m is not None]
+        d["div_margin"] = statistics.median(leads) if leads else None
         if self.f1:
             d["f1"] = statistics.fmean(self.f1)
         for k, v in self.split.items():
@@ -129,7 +156,7 @@ class MethodStats:
             d["recomputed_tokens"] = statistics.fmean(self.recomputed)
             d["ratio"] = statistics.fmean(self.ratio)
         d["per_question"] = {"fidelity": list(self.fidelity), "same_answer": list(self.same_answer),
-                             "ttft_s": list(self.ttft_s)}
+                             "div_margin": list(self.div_margin), "ttft_s": list(self.ttft_s)}
         return d
 
 
@@ -200,7 +227,9 @@ def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats
         cache.crop(-1)  # generate recomputes the last prompt token
         full_out = adapter.generate(ids, cache, tok, max_new_tokens=n_new, do_sample=False)
     target = full_out[:n_tokens]
-    _record(stats["full"], q, tok, times, 1.0, target, target, 0.0, full_out)
+    adapter.truncate(cache, prompt.num_tokens - 1)  # generation appended to it
+    ref_logits = teacher_forced_logits(adapter, ids[0, -1:], cache, target)  # full prefill's, for div_margin
+    _record(stats["full"], q, tok, times, 1.0, target, target, 0.0, full_out, ref_logits)
     for label, (selector, r) in methods.items():
         eng = engine if selector == engine.config.selector else engine.with_config(selector=selector)
         runs = [eng.prefill_prompt(prompt, ratio=r) for _ in range(repeats)]
@@ -217,15 +246,16 @@ def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats
         adapter.truncate(res.cache, prompt.num_tokens - 1)  # generation appended to it; teacher forcing starts over
         fidelity = teacher_forced_agreement(adapter, res, target)
         _record(m, q, tok, [x.stats.t_total for x in runs], fidelity, answer, target,
-                kl_divergence(full_logits, res.logits), answer)
+                kl_divergence(full_logits, res.logits), answer, ref_logits)
 
 
-def _record(m: MethodStats, q: Question, tok, times, fidelity, answer, target, kl, generated) -> None:
+def _record(m: MethodStats, q: Question, tok, times, fidelity, answer, target, kl, generated, ref_logits) -> None:
     m.ttft_s.append(statistics.median(times))
     m.fidelity.append(fidelity)
     agree = agreeing_prefix(answer[: target.numel()], target)
     m.agree_tokens.append(agree)
     m.same_answer.append(float(agree == target.numel()))
+    m.div_margin.append(divergence_margin(ref_logits, answer[: target.numel()], target))
     m.kl.append(kl)
     if q.answer is not None:
         m.f1.append(token_f1(tok.decode(generated, skip_special_tokens=True), q.answer))
@@ -241,13 +271,14 @@ def format_table(report: dict) -> str:
     full = report["methods"]["full"]["ttft_s"]
     has_f1 = any("f1" in m for m in report["methods"].values())
     width = max(8, *(len(k) for k in report["methods"]))
-    head = (f"{'method':>{width}} {'ttft_s':>8} {'speedup':>8} {'fidelity':>9} {'same_ans':>8} {'agree':>6} {'kl':>8}"
+    head = (f"{'method':>{width}} {'ttft_s':>8} {'speedup':>8} {'fidelity':>9} {'same_ans':>8} {'agree':>6}"
+            f" {'div_mrg':>7} {'kl':>8}"
             + (f" {'f1':>6}" if has_f1 else ""))
     head += f" {'load_s':>7} {'fuse_s':>7} {'recomp_s':>8} {'seq_ttft':>8}"
     lines = [head, "-" * len(head)]
     for name, m in report["methods"].items():
         row = (f"{name:>{width}} {m['ttft_s']:8.3f} {full / m['ttft_s']:7.2f}x {m['fidelity']:9.3f} "
-               f"{m['same_answer']:8.2f} {m['agree_tokens']:6.1f} {m['kl']:8.4f}")
+               f"{m['same_answer']:8.2f} {m['agree_tokens']:6.1f} {_num(m['div_margin'], 7, 2)} {m['kl']:8.4f}")
         if has_f1:
             row += f" {m.get('f1', float('nan')):6.3f}"
         row += "".join(f" {m.get(k, float('nan')):{w}.3f}" for k, w in (("load_s", 7), ("fuse_s", 7), ("compute_s", 8),
@@ -255,4 +286,10 @@ def format_table(report: dict) -> str:
         lines.append(row)
     for e in report.get("errors", []):
         lines.append(f"question {e['question']} skipped: {e['error']}")
+    lines.append("div_mrg: at the first divergence, full prefill's own logit lead of its token over the method's "
+                 "(median; near 0 = a near-tie full prefill itself barely decided; - = no divergence)")
     return "\n".join(lines)
+
+
+def _num(x: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"

@@ -4,10 +4,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
+from ragkv.adapter import ModelAdapter
 from ragkv.cli import main
-from ragkv.evaluate import load_questions, token_f1
+from ragkv.evaluate import divergence_margin, load_questions, teacher_forced_logits, token_f1
 
 DOCS = Path(__file__).parents[1] / "examples" / "data" / "docs"
 
@@ -16,6 +18,35 @@ def test_token_f1():
     assert token_f1("The Harlan Cup.", "the Harlan Cup") == 1.0
     assert token_f1("Paris", "London") == 0.0
     assert token_f1("it is 22 nautical miles", "22 nautical miles") == pytest.approx(2 * 0.6 * 1 / 1.6)
+
+
+def test_divergence_margin_is_full_prefills_lead_at_the_first_difference():
+    ref = torch.tensor([[0.0, 5.0, 1.0, 0.0],
+                        [0.0, 1.0, 3.0, 2.5],
+                        [9.0, 0.0, 0.0, 0.0]])
+    target = torch.tensor([1, 2, 0])  # full prefill's greedy answer: the argmax of each row
+    assert divergence_margin(ref, target, target) is None
+    assert divergence_margin(ref, torch.tensor([1, 3, 0]), target) == pytest.approx(0.5)  # a near-tie
+    assert divergence_margin(ref, torch.tensor([2, 2, 0]), target) == pytest.approx(4.0)  # a sure call overturned
+    assert divergence_margin(ref, torch.tensor([1, 2]), target) is None  # stopped early: nothing to compare
+
+
+def test_teacher_forced_logits_over_the_generated_cache_equal_one_plain_forward(tiny_smollm2):
+    """What ``ragkv eval`` does to get full prefill's reference logits for div_margin: the cache that
+    generate extended, cut back to the prompt minus its last token, then the answer fed in."""
+    model, tok = tiny_smollm2
+    a = ModelAdapter.of(model)
+    ids = torch.tensor([tok("Where does the light of the lighthouse reach?")["input_ids"]])
+    with torch.inference_mode():
+        _, cache = a.forward(ids, logits_to_keep=1)
+        cache.crop(-1)
+        target = a.generate(ids, cache, tok, max_new_tokens=6, do_sample=False)
+        a.truncate(cache, ids.shape[1] - 1)
+        got = teacher_forced_logits(a, ids[0, -1:], cache, target)
+        want = model(torch.cat([ids[0], target[:-1]])[None]).logits[0, ids.shape[1] - 1:].float()
+    assert got.shape == (target.numel(), want.shape[-1])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), target)  # greedy generation picked each row's argmax
 
 
 def test_bad_question_files_name_the_line(tmp_path):
@@ -53,13 +84,17 @@ def test_eval_cli_reports_every_method(tmp_path):
     methods = report["methods"]
     assert set(methods) == {"full", "0", "0.15", "1", "auto"}
     for m in methods.values():
-        assert {"ttft_s", "fidelity", "same_answer", "agree_tokens", "kl", "f1"} <= set(m) and m["ttft_s"] > 0
+        assert {"ttft_s", "fidelity", "same_answer", "agree_tokens", "div_margin", "kl", "f1"} <= set(m) and m["ttft_s"] > 0
+        # a margin exactly where the answer left full prefill's, and >= 0 (full prefill's own argmax there)
+        for same, lead in zip(m["per_question"]["same_answer"], m["per_question"]["div_margin"]):
+            assert (lead is None) == bool(same) and (lead is None or lead >= 0)
         # fidelity is teacher-forced agreement over 16 tokens: a multiple of 1/16 per question
         assert all(abs(f * 16 - round(f * 16)) < 1e-6 for f in m["per_question"]["fidelity"])
     assert methods["full"]["fidelity"] == 1.0 and methods["full"]["same_answer"] == 1.0
     # recomputing every token is full prefill: same greedy tokens, same first-token distribution
     assert methods["1"]["fidelity"] == 1.0 and methods["1"]["kl"] < 1e-4 and methods["1"]["same_answer"] == 1.0
-    assert methods["1"]["agree_tokens"] == 16
+    assert methods["1"]["agree_tokens"] == 16 and methods["1"]["div_margin"] is None
+    assert "div_mrg" in r.stdout
     # naive reuse misses the cross-attention between chunks: the first token's distribution moves
     assert methods["0"]["kl"] > 100 * max(methods["1"]["kl"], 1e-6)
     assert report["questions"] == 2 and report["errors"] == []
