@@ -252,10 +252,11 @@ def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats
 def _record(m: MethodStats, q: Question, tok, times, fidelity, answer, target, kl, generated, ref_logits) -> None:
     m.ttft_s.append(statistics.median(times))
     m.fidelity.append(fidelity)
-    agree = agreeing_prefix(answer[: target.numel()], target)
+    answer = answer[: target.numel()]
+    agree = agreeing_prefix(answer, target)
     m.agree_tokens.append(agree)
     m.same_answer.append(float(agree == target.numel()))
-    m.div_margin.append(divergence_margin(ref_logits, answer[: target.numel()], target))
+    m.div_margin.append(divergence_margin(ref_logits, answer, target))
     m.kl.append(kl)
     if q.answer is not None:
         m.f1.append(token_f1(tok.decode(generated, skip_special_tokens=True), q.answer))

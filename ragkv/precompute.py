@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 
 from ragkv.blend import BlendEngine
@@ -167,6 +167,7 @@ def precompute(
     chunk_tokens: int = 512,
     batch_tokens: int = 4096,
     shard: str | tuple[int, int] | None = None,
+    keys: Collection[str] | None = None,
     allow_eviction: bool = False,
     progress: bool = False,
 ) -> PrecomputeSummary:
@@ -175,7 +176,8 @@ def precompute(
     ``engine``: the read path's engine (model, tokenizer, store, policy, storage format, namespace):
     chunks are keyed and encoded exactly as it looks them up. ``paths``: files and folders
     (.txt/.md/.jsonl); ``texts``: document texts. ``shard`` 'I/N': only chunks whose key falls in
-    shard I. Raises OverBudget (before computing) when the chunks cannot fit a bounded tier, unless
+    shard I. ``keys``: only the chunks with these keys (e.g. those a question set uses); under
+    ``context=k`` their neighbours still come from every document. Raises OverBudget (before computing) when the chunks cannot fit a bounded tier, unless
     ``allow_eviction``."""
     t0 = time.perf_counter()
     shard_t = parse_shard(shard)
@@ -188,7 +190,7 @@ def precompute(
     tally = Tally(summary)
     bar = _bar(progress, sum(len(t) for _, t in docs), "planning", "char")
     try:
-        todo = plan(engine, docs, chunk_tokens, shard_t, tally, bar)
+        todo = plan(engine, docs, chunk_tokens, shard_t, tally, bar, keys=keys)
     finally:
         if bar is not None:
             bar.close()

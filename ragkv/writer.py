@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from ragkv.chunking import chunk_spans
@@ -113,9 +114,11 @@ def triage(store, key: str) -> str:
     return "todo"
 
 
-def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None) -> list[tuple[str, list[int], list[int]]]:
-    """Chunk every document and triage each distinct chunk of ``shard`` ((I, N) or None): the
-    chunks to compute, as (key, token ids, context ids). ``summary.chunks`` = distinct chunks seen.
+def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None,
+         keys: Collection[str] | None = None) -> list[tuple[str, list[int], list[int]]]:
+    """Chunk every document and triage each distinct chunk of ``shard`` ((I, N) or None; and among
+    ``keys`` when given): the chunks to compute, as (key, token ids, context ids).
+    ``summary.chunks`` = distinct chunks seen.
 
     Under ``context=k`` a chunk's context is its k nearest chunks among every chunk of ``docs`` (all
     shards: every shard of one corpus picks the same neighbours); otherwise it is empty."""
@@ -141,7 +144,7 @@ def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None) -> list
             key = engine.chunk_key(ids)
             if engine.policy.context:
                 pool.setdefault(key, ids)
-            if (shard and key_shard(key, shard[1]) != shard[0]) or key in seen:
+            if (shard and key_shard(key, shard[1]) != shard[0]) or (keys is not None and key not in keys) or key in seen:
                 continue
             seen.add(key)
             verdict = triage(store, key)

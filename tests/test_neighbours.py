@@ -140,6 +140,14 @@ def test_precompute_prefills_each_chunk_behind_its_nearest_chunk_of_the_whole_co
         assert written
         for key in written:
             torch.testing.assert_close(part.get(key).layers[1][1], whole.get(key).layers[1][1], atol=0, rtol=0)
+    # keys=: only the chunks asked for (what a question set uses), neighbours still from every document
+    some = open_store("memory")
+    wanted = {eng.chunk_key(chunks[0]), eng.chunk_key(chunks[-1])}
+    s = precompute(BlendEngine(model, tok, some, policy=PrecomputePolicy(context=1)), texts=texts, chunk_tokens=64,
+                   keys=wanted)
+    assert set(some.keys()) == wanted and s.new == len(wanted)
+    for key in wanted:
+        torch.testing.assert_close(some.get(key).layers[1][1], whole.get(key).layers[1][1], atol=0, rtol=0)
 
 
 def test_cli_refuses_a_bad_context(tmp_path):

@@ -6,10 +6,10 @@ benchmark set of 4 genres (corpus.py; sources and build in data/README.md).
         --out benchmarks/blend/results/test-bf16.json
     python benchmarks/blend/report.py benchmarks/blend/results/*.json     # tables + Pareto plots
 
-First the chunks of the selected prompts are precomputed into a disk store (``ragkv precompute``'s
-planning over the split's whole corpus, so neighbours under ``--context`` come from every document
-exactly as there; entries equal the whole-corpus job's bit for bit; not timed). Per prompt: HF full prefill (sdpa, the model's own
-forward building its cache) timed ``--repeats`` times (median) and its greedy answer (32 tokens) as the
+First the chunks of the selected prompts are precomputed into a disk store (``ragkv precompute`` of
+the split's whole corpus with ``keys=`` those chunks: neighbours under ``--context`` still come from
+every document, so the entries equal the whole-corpus job's; not timed). Per prompt: HF full prefill
+(sdpa, the model's own forward building its cache) timed ``--repeats`` times (median) and its greedy answer (32 tokens) as the
 reference; per method and ratio: the blended request timed ``--repeats`` times (median, pipelined
 loading from the disk store, page cache warm), its teacher-forced fidelity (top-1 agreement with full
 prefill's answer), KL of the first token, and whether its free-running greedy answer equals full
@@ -38,9 +38,8 @@ from ragkv.blend import SELECTORS, BlendConfig, BlendEngine
 from ragkv.blend.select import make_selector
 from ragkv.evaluate import agreeing_prefix, kl_divergence, teacher_forced_agreement
 from ragkv.policy import PrecomputePolicy
-from ragkv.precompute import PrecomputeSummary
+from ragkv.precompute import precompute
 from ragkv.store import open_store
-from ragkv.writer import Tally, plan, write_chunks
 
 N_TOKENS = 32
 
@@ -72,20 +71,6 @@ def _split_top(text: str) -> list[str]:
         else:
             cur += ch
     return [p for p in [*parts, cur.strip()] if p]
-
-
-def precompute_prompts(engine: BlendEngine, split: str, prompts: list[dict]) -> PrecomputeSummary:
-    """``ragkv precompute`` of the split's corpus, restricted to the chunks ``prompts`` use: the plan
-    (and with it every chunk's neighbours) covers the whole corpus, only the needed chunks are
-    computed. A --per-genre run then costs what its prompts need, not the corpus."""
-    needed = {engine.chunk_key(ids) for p in prompts
-              for ids in engine.build_prompt(p["question"], p["contexts"]).chunk_ids}
-    summary = PrecomputeSummary()
-    tally = Tally(summary)
-    docs = [(f"doc{i}", text) for i, text in enumerate(corpus.documents(split))]
-    todo = [t for t in plan(engine, docs, 512, None, tally) if t[0] in needed]
-    write_chunks(engine, todo, 4096, tally)
-    return summary
 
 
 def timed(fn, repeats: int):
@@ -162,7 +147,8 @@ def main() -> None:
         prompts = [p for p in prompts if sum(q["genre"] == p["genre"] for q in prompts[: prompts.index(p)]) < args.per_genre]
     prompts = prompts[: args.limit]
     t0 = time.time()
-    done = precompute_prompts(engine, args.split, prompts)
+    needed = {engine.chunk_key(ids) for p in prompts for ids in engine.build_prompt(p["question"], p["contexts"]).chunk_ids}
+    done = precompute(engine, texts=corpus.documents(args.split), keys=needed)  # neighbours: the whole corpus
     print(f"precomputed the chunks of {len(prompts)} prompts ({args.split} corpus's neighbours) under "
           f"{engine.policy_id}: {done.new} new, {done.skipped} stored ({time.time() - t0:.0f} s)", flush=True)
     report = {"meta": {"command": "python " + " ".join(sys.argv), "model": "SmolLM2-135M-Instruct", "dtype": dtype,

@@ -53,8 +53,9 @@ LAYOUTS = ("policy", "lead", "allpred", "exact")
 N_TOKENS = 32
 
 
-def write_layout(engine: BlendEngine, chunks: list[list[int]], layout: str, pool: list[list[int]]) -> None:
-    """Store every chunk of one prompt under ``layout``, keyed as the read path looks it up."""
+def write_layout(engine: BlendEngine, chunks: list[list[int]], layout: str, neighbours: list[list[int]]) -> None:
+    """Store every chunk of one prompt under ``layout``, keyed as the read path looks it up;
+    ``neighbours``: each chunk's context under the policy (``neighbour_contexts``)."""
     s, gap = len(engine.sink_ids), engine.policy.gap
     for i, c in enumerate(chunks):
         before = [t for prev in chunks[:i] for t in prev]
@@ -63,7 +64,7 @@ def write_layout(engine: BlendEngine, chunks: list[list[int]], layout: str, pool
         elif layout == "allpred" and i > 0:
             ctx, at = before[-gap:], gap
         else:
-            ctx, at = neighbour_contexts([c], pool, engine.policy.context)[0], gap
+            ctx, at = neighbours[i], gap
         kv = prefill_kv(engine.model, engine.sink_ids, [c], gap=at, contexts=[ctx] if ctx else None)[0]
         key = engine.chunk_key(c)
         engine.store.put_encoded(key, encode(engine.entry_meta(key, c, s + at, engine.policy_id), kv))
@@ -85,9 +86,11 @@ def probe(model, tok, questions: list[dict], docs: list[str], ratios: list[float
         _, cache = a.forward(ids, logits_to_keep=1)
         cache.crop(-1)
         target = a.generate(ids, cache, tok, max_new_tokens=N_TOKENS, do_sample=False)
+        chunks = [list(c) for c in prompt.chunk_ids]
+        neighbours = neighbour_contexts(chunks, pool, policy.context)
         for lay in layouts:
             engine = BlendEngine(model, tok, open_store("memory://"), BlendConfig(), policy=policy)
-            write_layout(engine, [list(c) for c in prompt.chunk_ids], lay, pool)
+            write_layout(engine, chunks, lay, neighbours)
             for r in ratios:
                 res = engine.prefill_prompt(prompt, ratio=r)
                 assert res.stats.misses == 0, "every chunk was written under the layout"
