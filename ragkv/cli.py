@@ -87,9 +87,13 @@ def _check(tiers) -> None:
 
 
 def _policy_options(f):
-    """--sink/--gap/--context: the precompute policy; writers and readers of one store must agree on it."""
+    """--sink/--gap/--context/--lead: the precompute policy; writers and readers of one store must agree
+    on sink, gap and context (lead only adds entries: a reader without them falls back)."""
     from ragkv.policy import MAX_CONTEXT, PrecomputePolicy
 
+    f = click.option("--lead/--no-lead", default=PrecomputePolicy.lead, show_default=True,
+                     help="precompute policy: also store each chunk right behind the sink, read when it is a "
+                          "prompt's first chunk (2x entries; readers fall back when a store has none)")(f)
     f = click.option("--context", type=click.IntRange(0, MAX_CONTEXT), default=PrecomputePolicy.context,
                      show_default=True,
                      help="precompute policy: neighbour chunks (most similar in the corpus) each chunk is "
@@ -119,19 +123,19 @@ def _model_options(f):
 
 
 def _engine(model_name: str, model_dtype: str, store, config=None, sink="template", gap=None, namespace="",
-            storage=None, context=None):
+            storage=None, context=None, lead=None):
     """The BlendEngine every command builds from its options (model errors are clear, not tracebacks)."""
     from ragkv import models
     from ragkv.policy import PrecomputePolicy
     from ragkv.writer import EngineSpec
 
-    if context is None:
-        context = PrecomputePolicy.context
+    context = PrecomputePolicy.context if context is None else context
+    lead = PrecomputePolicy.lead if lead is None else lead
     try:
-        PrecomputePolicy(sink, gap, context)
+        PrecomputePolicy(sink, gap, context, lead)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    spec = EngineSpec(model_name, model_dtype, sink=sink, gap=gap, context=context, namespace=namespace,
+    spec = EngineSpec(model_name, model_dtype, sink=sink, gap=gap, context=context, lead=lead, namespace=namespace,
                       storage=storage)
     try:
         return spec.build(store, config)
@@ -161,7 +165,7 @@ def _engine(model_name: str, model_dtype: str, store, config=None, sink="templat
 @_policy_options
 @ray_options
 def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_dtype, quant_axis, namespace,
-               batch_tokens, shard, allow_eviction, as_json, progress, sink, gap, context, use_ray, ray_address,
+               batch_tokens, shard, allow_eviction, as_json, progress, sink, gap, context, lead, use_ray, ray_address,
                workers, cpus_per_worker):
     """Chunk, prefill and store documents: .txt/.md files, .jsonl (field "text"), folders (recursive).
 
@@ -184,13 +188,13 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
         summary = precompute_ray(paths, store_uri, shard, allow_eviction, progress, ray_address, workers,
                                  cpus_per_worker, chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
                                  model=model_name, model_dtype=model_dtype, sink=sink, gap=gap,
-                                 context=context, namespace=namespace, storage=storage)
+                                 context=context, lead=lead, namespace=namespace, storage=storage)
         return _precompute_done(summary, paths, as_json)
     store = _open_store(store_uri)
     with store:
         _check([store])
         engine = _engine(model_name, model_dtype, store, sink=sink, gap=gap, namespace=namespace, storage=storage,
-                         context=context)
+                         context=context, lead=lead)
         try:
             summary = run(engine, paths=list(paths), chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
                           shard=shard, allow_eviction=allow_eviction, progress=progress)
@@ -376,7 +380,7 @@ def _selectors(names: str, signal: str, check_layers: str | None) -> list:
 @click.option("--json", "json_out", default=None, callback=lambda c, p, v: v and _writable(v),
               help="Also write the report here.")
 def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, selectors, signal, check_layers, sink, gap,
-             context, n_tokens, repeats, namespace, json_out):
+             context, lead, n_tokens, repeats, namespace, json_out):
     """Measure how faithful blending is to full prefill on your own questions.
 
     Exit status 1 when some question could not be evaluated (the others are reported)."""
@@ -392,7 +396,7 @@ def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, select
     store = _open_store(store_uris)
     _check([store])
     engine = _engine(model_name, model_dtype, store, BlendConfig(selector=sels[0]), sink=sink, gap=gap,
-                     namespace=namespace, context=context)
+                     namespace=namespace, context=context, lead=lead)
 
     def progress(i, n):
         click.echo(f"  question {i}/{n}", err=True)

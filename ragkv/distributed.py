@@ -92,24 +92,25 @@ class _PrecomputeActor:
         for unit in batch["docs"]:
             docs = [tuple(d) for d in json.loads(unit)]
             todo = plan(self.engine, docs, self.chunk_tokens, None, tally)
-            planned.update((key, self.size(len(ids))) for key, ids, _ in todo)
+            planned.update((j.key, self.size(len(j.ids))) for j in todo)
             if self.stop_reason:  # this actor stopped after repeated write failures: leave the rest
-                for key, _, _ in todo:
-                    tally.record(key, "not_attempted")
+                for key, _, _, kind in todo:
+                    tally.record(key, "not_attempted", kind=kind)
             else:
                 self.stop_reason = write_chunks(self.engine, todo, self.batch_tokens, tally)
-        rows = [(o.key, o.outcome, o.tokens, o.nbytes, planned.get(o.key, 0), "") for o in tally.keys]
-        rows += [("", "note", 0, 0, 0, e) for e in summary.errors]
+        rows = [(o.key, o.outcome, o.tokens, o.nbytes, planned.get(o.key, 0), "", o.kind) for o in tally.keys]
+        rows += [("", "note", 0, 0, 0, e, "") for e in summary.errors]
         if self.stop_reason:
-            rows.append(("", "stopped", 0, 0, 0, self.stop_reason))
-        cols = ("key", "outcome", "tokens", "bytes", "planned", "note")
+            rows.append(("", "stopped", 0, 0, 0, self.stop_reason, ""))
+        cols = ("key", "outcome", "tokens", "bytes", "planned", "note", "kind")
         return {c: [r[i] for r in rows] for i, c in enumerate(cols)}
 
 
 def merge(rows: Iterable[dict], summary: PrecomputeSummary) -> None:
     """The actors' rows -> summary: per key the best outcome (a chunk of two documents, or written
     by two actors at once, counts once); failures without a key (a document that could not be
-    chunked) each count; the first stop reason stops the job."""
+    chunked) each count; a chunk counts once (by its 'chunk' entry, not its lead entry); the first
+    stop reason stops the job."""
     best: dict[str, dict] = {}
     stops: list[str] = []
     tally = Tally(summary)
@@ -123,9 +124,9 @@ def merge(rows: Iterable[dict], summary: PrecomputeSummary) -> None:
         elif r["key"] not in best or _RANK[r["outcome"]] > _RANK[best[r["key"]]["outcome"]]:
             best[r["key"]] = r
     for r in best.values():
-        tally.record(r["key"], r["outcome"], int(r["tokens"]), int(r["bytes"]))
+        tally.record(r["key"], r["outcome"], int(r["tokens"]), int(r["bytes"]), r["kind"])
     summary.planned_bytes = sum(int(r["planned"]) for r in best.values())
-    summary.chunks = len(best)
+    summary.chunks = sum(r["kind"] == "chunk" for r in best.values())
     if stops:
         summary.stop(f"a worker stopped: {stops[0]}", sum(r["outcome"] == "not_attempted" for r in best.values()))
 

@@ -24,16 +24,29 @@ attention to text of the kind RAG retrieves beside the chunk (FusionRAG's neighb
 caches), which the read path's recompute otherwise has to restore. Zero cost at query time; the
 precompute job computes the neighbours' rows too. Measured in benchmarks/blend (RESULTS.md).
 
-The chunk is stored with ``start_pos = len(sink) + gap``; the read path re-rotates its keys from
-there. The policy id (sink, gap, context, version, digest of the sink ids) is part of every chunk key, so
-entries made under another policy are never mixed in. ``benchmarks/blend`` measures the variants.
+With ``lead`` (default on), every chunk also gets a *lead entry*: the chunk prefilled right behind
+the sink at position ``len(sink)``, with no gap and no context. Under the template sink that is
+exactly the K/V the chunk has when it is the first chunk of a prompt (the prompt's prefix is the
+template prefix), so the read path takes it for the prompt's first chunk and the first chunk needs no
+correction at all; the other chunks read their gap/context entry. The first chunk is where a fused
+cache errs most (its gap entry was prefilled ~1000 positions from a sink it sits right behind), and
+the error of its K/V reaches every later token. Measured in benchmarks/blend (RESULTS.md). Cost: a
+second entry per chunk (2x storage, ~+30-50% precompute); none at query time. A reader with ``lead``
+over a store written without it falls back to the gap entry (stats.lead = False).
+
+The chunk is stored with ``start_pos = len(sink) + gap`` (a lead entry: ``len(sink)``); the read path
+re-rotates its keys from there. The policy id (sink, gap, context, version, digest of the sink ids) is
+part of every chunk key, and the lead id (sink, version, digest) part of every lead entry's key, so
+entries made under another policy are never mixed in. ``lead`` does not change either id: a store
+written with lead entries serves readers without them, and the other way round.
+``benchmarks/blend`` measures the variants.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,11 +65,13 @@ class PrecomputePolicy:
     position is ``len(sink) + gap`` (a chunk far from the sink, as most chunks are in a real prompt).
     ``context``: how many neighbour chunks fill the end of the gap right before the chunk (at most
     ``gap`` tokens of them, the nearest kept); 0 = none (stores written by ragkv 0.1 had none:
-    read such a store with ``context=0``)."""
+    read such a store with ``context=0``). ``lead``: also store every chunk prefilled right behind
+    the sink (no gap, no context), read for a prompt's first chunk."""
 
     sink: str = "template"
     gap: int | None = None  # None: min(1024, max_position_embeddings // 4), fixed by ``resolve``
     context: int = 1
+    lead: bool = True
 
     def __post_init__(self):
         if self.sink not in SINKS:
@@ -65,6 +80,8 @@ class PrecomputePolicy:
             raise ValueError(f"gap must be >= 0, got {self.gap}")
         if isinstance(self.context, bool) or not isinstance(self.context, int) or not 0 <= self.context <= MAX_CONTEXT:
             raise ValueError(f"context must be an integer from 0 to {MAX_CONTEXT} (neighbour chunks), got {self.context!r}")
+        if not isinstance(self.lead, bool):
+            raise ValueError(f"lead must be True or False, got {self.lead!r}")
         if self.context and self.gap == 0:
             raise ValueError(f"context={self.context} puts neighbour chunks in the gap before each chunk, and gap 0 "
                              "leaves no room: give a gap > 0, or context=0 (--context 0)")
@@ -74,7 +91,7 @@ class PrecomputePolicy:
         if self.gap is not None:
             return self
         max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
-        return PrecomputePolicy(self.sink, min(DEFAULT_GAP, max_pos // 4), self.context)
+        return replace(self, gap=min(DEFAULT_GAP, max_pos // 4))
 
     def sink_ids(self, template) -> list[int]:
         if self.sink == "none":
@@ -83,15 +100,19 @@ class PrecomputePolicy:
             return list(template.prefix_ids[:1])
         return list(template.prefix_ids)
 
+    def _digest(self, template) -> str:
+        return hashlib.blake2b(b",".join(str(t).encode() for t in self.sink_ids(template)), digest_size=8).hexdigest()
+
     def policy_id(self, template) -> str:
         if self.gap is None:
             raise ValueError("resolve() the policy for a model before using it")
-        digest = hashlib.blake2b(
-            b",".join(str(t).encode() for t in self.sink_ids(template)), digest_size=8
-        ).hexdigest()
         gap = f"-gap{self.gap}" if self.gap else ""
         context = f"-ctx{self.context}" if self.context else ""
-        return f"sink-{self.sink}{gap}{context}-v{POLICY_VERSION}-{digest}"
+        return f"sink-{self.sink}{gap}{context}-v{POLICY_VERSION}-{self._digest(template)}"
+
+    def lead_id(self, template) -> str:
+        """The policy id of lead entries: the chunk right behind the sink (gap and context play no part)."""
+        return f"sink-{self.sink}-lead-v{POLICY_VERSION}-{self._digest(template)}"
 
     def chunk_start(self, template) -> int:
         if self.gap is None:

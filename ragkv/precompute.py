@@ -41,11 +41,13 @@ __all__ = ["STOP_AFTER", "OverBudget", "PrecomputeSummary", "key_shard", "parse_
 class PrecomputeSummary:
     docs: int = 0  # documents read (a .jsonl line is one document)
     chunks: int = 0  # distinct chunks of this shard
-    new: int = 0  # chunks computed and written by this run
-    skipped: int = 0  # chunks every tier already held (or written meanwhile by another process)
-    repaired: int = 0  # chunks copied from one tier into the tiers that lacked them
-    failed: int = 0  # chunks whose prefill or write failed
-    tokens: int = 0  # cached tokens of the new chunks
+    # new .. failed count entries: per chunk its gap/context entry and, under PrecomputePolicy.lead,
+    # its lead entry (two per chunk)
+    new: int = 0  # entries computed and written by this run
+    skipped: int = 0  # entries every tier already held (or written meanwhile by another process)
+    repaired: int = 0  # entries copied from one tier into the tiers that lacked them
+    failed: int = 0  # entries whose prefill or write failed (or chunks that could not be chunked)
+    tokens: int = 0  # cached tokens of the new entries
     bytes_written: int = 0
     planned_bytes: int = 0  # estimated bytes of the chunks to compute, before computing
     seconds: float = 0.0
@@ -61,7 +63,7 @@ class PrecomputeSummary:
 
     def describe(self) -> str:
         lines = [
-            f"docs {self.docs}  chunks {self.chunks}  new {self.new}  skipped {self.skipped}  "
+            f"docs {self.docs}  chunks {self.chunks}  entries: new {self.new}  skipped {self.skipped}  "
             f"repaired {self.repaired}  failed {self.failed}" + (f"  (shard {self.shard})" if self.shard else ""),
             f"{self.tokens} tokens, {self.bytes_written / 2**20:.1f} MiB written in {self.seconds:.1f} s "
             f"({self.tokens_per_s:.0f} tokens/s)",
@@ -82,7 +84,7 @@ class PrecomputeSummary:
 
     def stop(self, reason: str, left: int) -> None:
         """The job stopped early after repeated write failures: say why and how to resume."""
-        self.stopped = (f"{reason}. {self.new} chunks were saved, {left} not attempted; fix the cause and "
+        self.stopped = (f"{reason}. {self.new} entries were saved, {left} not attempted; fix the cause and "
                         "rerun the same command to resume (stored chunks are skipped)")
 
 
@@ -143,14 +145,14 @@ def _size(n: float) -> str:
 def check_budget(engine: BlendEngine, todo, summary: PrecomputeSummary, allow_eviction: bool) -> None:
     """Refuse (OverBudget) a plan whose entries cannot fit a bounded tier of the store."""
     size = entry_bytes(engine)
-    summary.planned_bytes = sum(size(len(ids)) for _, ids, _ in todo)
+    summary.planned_bytes = sum(size(len(j.ids)) for j in todo)
     for tier in getattr(engine.store, "tiers", [engine.store]):
         limit = getattr(tier, "max_bytes", None)
         if limit is None or summary.planned_bytes <= limit or allow_eviction:
             continue
         dtype = engine.storage.resolve(engine.model_dtype)[0]
         raise OverBudget(
-            f"this run would write ~{_size(summary.planned_bytes)} of K/V ({len(todo)} chunks stored as {dtype}) "
+            f"this run would write ~{_size(summary.planned_bytes)} of K/V ({len(todo)} entries stored as {dtype}) "
             f"but {tier.uri} holds at most {_size(limit)}: new entries would evict each other. Store a smaller "
             "dtype (--dtype int8 is ~4x smaller than float32), raise max_bytes, split the corpus (--shard) "
             "over several stores, or pass --allow-eviction to write anyway")
@@ -197,15 +199,15 @@ def precompute(
     check_budget(engine, todo, summary, allow_eviction)
     skipped_at_plan = summary.skipped
 
-    bar = _bar(progress and bool(todo), len(todo), "precompute", "chunk")
+    bar = _bar(progress and bool(todo), len(todo), "precompute", "entry")
     t_compute, tok_done = time.perf_counter(), [0]
 
-    def on_done(n_chunks: int, n_tokens: int) -> None:
+    def on_done(n_entries: int, n_tokens: int) -> None:
         if bar is not None:
             tok_done[0] += n_tokens
             bar.set_postfix_str(f"{tok_done[0] / max(time.perf_counter() - t_compute, 1e-9):.0f} tok/s",
                                 refresh=False)
-            bar.update(n_chunks)
+            bar.update(n_entries)
 
     try:
         stop_reason = write_chunks(engine, todo, batch_tokens, tally, on_done)

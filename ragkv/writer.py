@@ -1,9 +1,10 @@
 """The step of the write path that the local job (ragkv.precompute) and every Ray actor
 (ragkv.distributed) run, the same code for both:
 
-    plan          documents -> chunks (THE chunker) -> keys; per distinct key: skipped (every tier
-                  holds it), repaired (copied from a tier that holds it into those that lack it) or
-                  to compute
+    plan          documents -> chunks (THE chunker) -> entry keys (a chunk's gap/context entry and,
+                  under PrecomputePolicy.lead, its lead entry); per distinct key: skipped (every
+                  tier holds it), repaired (copied from a tier that holds it into those that lack
+                  it) or to compute (a Job)
     write_chunks  batches of similar lengths (policy.batches), one forward each, entries encoded and
                   written on a background thread while the next batch computes; a chunk another
                   process wrote meanwhile counts as skipped; STOP_AFTER consecutive write failures of
@@ -20,6 +21,7 @@ import queue
 import threading
 from collections.abc import Collection
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ragkv.chunking import chunk_spans
 from ragkv.keys import KEY_PREFIX
@@ -29,6 +31,16 @@ from ragkv.policy import PrecomputePolicy, StorageFormat, batches
 STOP_AFTER = 3  # consecutive write failures of one cause that stop the job
 _MAX_REPORTED_ERRORS = 20
 OUTCOMES = ("new", "repaired", "skipped", "failed", "not_attempted")
+
+
+class Job(NamedTuple):
+    """One entry to compute: ``kind`` 'chunk' (behind the sink, the gap and ``context``) or 'lead'
+    (right behind the sink; ``context`` empty). BlendEngine.layout says what each kind is."""
+
+    key: str
+    ids: list[int]
+    context: list[int]
+    kind: str = "chunk"
 
 
 def key_shard(key: str, n: int) -> int:
@@ -48,6 +60,7 @@ class EngineSpec:
     sink: str = "template"
     gap: int | None = None
     context: int = PrecomputePolicy.context
+    lead: bool = PrecomputePolicy.lead
     namespace: str = ""
     storage: StorageFormat | None = None  # None: entries in the model's dtype
 
@@ -58,6 +71,9 @@ class EngineSpec:
 
         return replace(self, model_dtype=str(models.parse_dtype(self.model_dtype)).removeprefix("torch."))
 
+    def policy(self) -> PrecomputePolicy:
+        return PrecomputePolicy(self.sink, self.gap, self.context, self.lead)
+
     def build(self, store=None, config=None):
         """The BlendEngine (``store``: an open store, else one opened from ``store_uri``)."""
         from ragkv import models
@@ -66,7 +82,7 @@ class EngineSpec:
 
         model, tok = models.load(self.model, dtype=self.model_dtype)
         store = open_store(self.store_uri) if store is None else store
-        return BlendEngine(model, tok, store, config, policy=PrecomputePolicy(self.sink, self.gap, self.context),
+        return BlendEngine(model, tok, store, config, policy=self.policy(),
                            storage=self.storage, namespace=self.namespace)
 
 
@@ -76,6 +92,7 @@ class Outcome:
     outcome: str  # one of OUTCOMES
     tokens: int = 0  # cached tokens written (new only)
     nbytes: int = 0  # bytes written (new only)
+    kind: str = "chunk"  # the entry's kind (Job.kind): a chunk counts once, by its 'chunk' entry
 
 
 class Tally:
@@ -87,7 +104,7 @@ class Tally:
         self.keys: list[Outcome] | None = [] if keep_keys else None
         self.lock = threading.Lock()
 
-    def record(self, key: str, outcome: str, tokens: int = 0, nbytes: int = 0) -> None:
+    def record(self, key: str, outcome: str, tokens: int = 0, nbytes: int = 0, kind: str = "chunk") -> None:
         s = self.summary
         with self.lock:
             if outcome == "new":
@@ -95,7 +112,7 @@ class Tally:
             elif outcome != "not_attempted":
                 setattr(s, outcome, getattr(s, outcome) + 1)
             if self.keys is not None:
-                self.keys.append(Outcome(key, outcome, tokens, nbytes))
+                self.keys.append(Outcome(key, outcome, tokens, nbytes, kind))
 
     def note(self, msg: str) -> None:
         with self.lock:
@@ -115,17 +132,17 @@ def triage(store, key: str) -> str:
 
 
 def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None,
-         keys: Collection[str] | None = None) -> list[tuple[str, list[int], list[int]]]:
-    """Chunk every document and triage each distinct chunk of ``shard`` ((I, N) or None; and among
-    ``keys`` when given): the chunks to compute, as (key, token ids, context ids).
-    ``summary.chunks`` = distinct chunks seen.
+         keys: Collection[str] | None = None) -> list[Job]:
+    """Chunk every document and triage each entry of each distinct chunk of ``shard`` ((I, N) or
+    None, by the chunk's key: a chunk's entries stay together; and among ``keys`` when given, chunk
+    keys): the entries to compute. ``summary.chunks`` = distinct chunks seen.
 
     Under ``context=k`` a chunk's context is its k nearest chunks among every chunk of ``docs`` (all
     shards: every shard of one corpus picks the same neighbours); otherwise it is empty."""
     template, store = engine.template, engine.store
     seen: set[str] = set()
     pool: dict[str, list[int]] = {}  # every distinct chunk of the corpus, for neighbours
-    todo: list[tuple[str, list[int]]] = []
+    todo: list[Job] = []
     done_chars = 0
     for doc_id, text in docs:
         try:
@@ -147,16 +164,18 @@ def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None,
             if (shard and key_shard(key, shard[1]) != shard[0]) or (keys is not None and key not in keys) or key in seen:
                 continue
             seen.add(key)
-            verdict = triage(store, key)
-            if verdict == "todo":
-                todo.append((key, ids))
-            else:
-                tally.record(key, verdict)
+            for entry, kind in engine.entry_keys(ids):
+                verdict = triage(store, entry)
+                if verdict == "todo":
+                    todo.append(Job(entry, ids, [], kind))
+                else:
+                    tally.record(entry, verdict, kind=kind)
     tally.summary.chunks = len(seen)
-    if not engine.policy.context:
-        return [(key, ids, []) for key, ids in todo]
-    contexts = neighbour_contexts([ids for _, ids in todo], list(pool.values()), engine.policy.context)
-    return [(key, ids, ctx) for (key, ids), ctx in zip(todo, contexts)]
+    gap_jobs = [j for j in todo if j.kind == "chunk"]
+    if not engine.policy.context or not gap_jobs:
+        return todo
+    contexts = iter(neighbour_contexts([j.ids for j in gap_jobs], list(pool.values()), engine.policy.context))
+    return [j._replace(context=next(contexts)) if j.kind == "chunk" else j for j in todo]
 
 
 class EntryWriter:
@@ -190,26 +209,26 @@ class EntryWriter:
         eng = self.engine
         while (item := self.q.get()) is not None:
             batch, kvs = item
-            for (key, ids, _), kv in zip(batch, kvs):
+            for (key, ids, _, kind), kv in zip(batch, kvs):
                 if self.stop_reason:  # stopping: the rest is left for the rerun, not attempted
                     break
                 self.written.add(key)
                 try:
-                    wrote = eng.write_entry(key, ids, kv)
+                    wrote = eng.write_entry(key, ids, kv, kind)
                     if not wrote and eng.store.missing_tiers(key):  # e.g. every tier failed (logged)
                         raise RuntimeError("the store took nothing (see its log)")
                 except Exception as e:  # a failed write never aborts the job by itself
-                    self._failed(key, e)
+                    self._failed(key, kind, e)
                     continue
                 self._streak = ("", 0)
                 # 0 bytes: another process wrote it meanwhile
-                self.tally.record(key, "new" if wrote else "skipped", len(ids) if wrote else 0, wrote)
+                self.tally.record(key, "new" if wrote else "skipped", len(ids) if wrote else 0, wrote, kind)
                 self.on_done(1, len(ids) if wrote else 0)
             del kvs
 
-    def _failed(self, key: str, e: Exception) -> None:
+    def _failed(self, key: str, kind: str, e: Exception) -> None:
         cause = type(e).__name__ + str(getattr(e.__cause__, "errno", "") or "")
-        self.tally.record(key, "failed")
+        self.tally.record(key, "failed", kind=kind)
         self.tally.note(f"write of {key}: {type(e).__name__}: {e}")
         n = self._streak[1] + 1 if self._streak[0] == cause else 1
         self._streak = (cause, n)
@@ -218,22 +237,32 @@ class EntryWriter:
         self.on_done(1, 0)
 
 
-def write_chunks(engine, todo, batch_tokens: int, tally: Tally, on_done=lambda n_chunks, n_tokens: None):
-    """Prefill (behind its context) and write every (key, ids, context) of ``todo``; -> the stop reason
-    (None: every chunk was attempted). Chunks left unattempted by a stop are recorded as 'not_attempted'."""
+def job_batches(todo: list[Job], sink_len: int, batch_tokens: int) -> list[list[Job]]:
+    """The jobs in forward batches (policy.batches): one kind per batch, similar lengths together."""
+    out = []
+    for kind in ("chunk", "lead"):
+        jobs = [j for j in todo if j.kind == kind]
+        out += [[jobs[i] for i in group]
+                for group in batches([len(j.ids) + len(j.context) for j in jobs], sink_len, batch_tokens)]
+    return out
+
+
+def write_chunks(engine, todo: list[Job], batch_tokens: int, tally: Tally,
+                 on_done=lambda n_entries, n_tokens: None):
+    """Prefill (as its kind, behind its context) and write every Job of ``todo``; -> the stop reason
+    (None: every entry was attempted). Entries left unattempted by a stop are recorded as 'not_attempted'."""
     writer = EntryWriter(engine, tally, on_done)
     try:
-        for group in batches([len(ids) + len(ctx) for _, ids, ctx in todo], len(engine.sink_ids), batch_tokens):
+        for batch in job_batches(todo, len(engine.sink_ids), batch_tokens):
             if writer.stop_reason:
                 break
-            batch = [todo[i] for i in group]
             try:
-                kvs = engine.prefill_chunks([ids for _, ids, _ in batch], batch_tokens,
-                                            contexts=[ctx for _, _, ctx in batch])
+                kvs = engine.prefill_chunks([j.ids for j in batch], batch_tokens, kind=batch[0].kind,
+                                            contexts=[j.context for j in batch])
             except Exception as e:
-                for key, _, _ in batch:
+                for key, _, _, kind in batch:
                     writer.written.add(key)
-                    tally.record(key, "failed")
+                    tally.record(key, "failed", kind=kind)
                 tally.note(f"prefill of {len(batch)} chunks: {type(e).__name__}: {e}")
                 on_done(len(batch), 0)
                 continue
@@ -242,7 +271,7 @@ def write_chunks(engine, todo, batch_tokens: int, tally: Tally, on_done=lambda n
     finally:
         writer.close()
     if writer.stop_reason:
-        for key, _, _ in todo:
+        for key, _, _, kind in todo:
             if key not in writer.written:
-                tally.record(key, "not_attempted")
+                tally.record(key, "not_attempted", kind=kind)
     return writer.stop_reason

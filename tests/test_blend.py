@@ -185,7 +185,8 @@ def _naive_reference(model, eng: BlendEngine, prompt: Prompt):
     rot = model.model.rotary_emb
     ks, vs = [[] for _ in range(eng.adapter.num_layers)], [[] for _ in range(eng.adapter.num_layers)]
     entries = [(eng.store.get(eng.prefix_key(prompt.prefix_ids)), 0)]
-    entries += [(eng.store.get(eng.chunk_key(ids)), s) for ids, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
+    keys = [eng.lead_key(ids) if i == 0 and eng.lead else eng.chunk_key(ids) for i, ids in enumerate(prompt.chunk_ids)]
+    entries += [(eng.store.get(key), s) for key, s in zip(keys, prompt.chunk_starts())]
     for entry, start in entries:
         n = entry.meta.num_tokens
         cos, sin = rot(torch.zeros(1), torch.full((1, n), start - entry.meta.start_pos))
@@ -385,8 +386,11 @@ def test_every_precompute_policy_blends_exactly_at_ratio_one(sink, gap):
     prompt = make_prompt(seed=23)
     eng = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(sink, gap, int(gap > 0)))
     eng.prefill_prompt(prompt)
-    meta = eng.store.get_meta(eng.chunk_key(prompt.chunk_ids[0]))
-    assert meta.start_pos == {"none": 0, "bos": 1, "template": 4}[sink] + gap == eng.chunk_start
+    sink_len = {"none": 0, "bos": 1, "template": 4}[sink]
+    meta = eng.store.get_meta(eng.chunk_key(prompt.chunk_ids[1]))
+    assert meta.start_pos == sink_len + gap == eng.chunk_start
+    first = eng.lead_key(prompt.chunk_ids[0]) if gap else eng.chunk_key(prompt.chunk_ids[0])  # gap 0: its own lead
+    assert eng.store.get_meta(first).start_pos == sink_len
     res = eng.prefill_prompt(prompt, ratio=1.0)
     assert res.stats.hits == 3
     torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)

@@ -184,7 +184,7 @@ def _filled_store(n_keys: int = 3, n_layers: int = 6):
     eng = engine(model, store, False)
     prompt = make_prompt(seed=5, sizes=(17, 17, 17)[:n_keys])
     eng.prefill_prompt(prompt)
-    keys = [eng.chunk_key(ids) for ids in prompt.chunk_ids]
+    keys = [seg.key for seg in eng._segments(prompt) if not seg.is_prefix]
     layer_bytes = sum(store.get_layer(k, 0).nbytes for k in keys)
     return store, keys, layer_bytes
 

@@ -124,7 +124,7 @@ def test_precompute_prefills_each_chunk_behind_its_nearest_chunk_of_the_whole_co
     whole = open_store("memory")
     eng = BlendEngine(model, tok, whole, policy=PrecomputePolicy(context=1))
     s = precompute(eng, texts=texts, chunk_tokens=64)
-    assert s.failed == 0 and s.new == s.chunks
+    assert s.failed == 0 and s.new == 2 * s.chunks  # each chunk's context entry and its lead entry
     chunks = [eng.template.chunk_ids(c) for t in texts for c in chunk_document(t, eng.template, 64)]
     ctx = neighbour_contexts(chunks, chunks, 1)
     for ids, c in zip(chunks, ctx):
@@ -145,8 +145,9 @@ def test_precompute_prefills_each_chunk_behind_its_nearest_chunk_of_the_whole_co
     wanted = {eng.chunk_key(chunks[0]), eng.chunk_key(chunks[-1])}
     s = precompute(BlendEngine(model, tok, some, policy=PrecomputePolicy(context=1)), texts=texts, chunk_tokens=64,
                    keys=wanted)
-    assert set(some.keys()) == wanted and s.new == len(wanted)
-    for key in wanted:
+    leads = {eng.lead_key(chunks[0]), eng.lead_key(chunks[-1])}  # a chunk's lead entry comes with it
+    assert set(some.keys()) == wanted | leads and s.new == 4
+    for key in wanted | leads:
         torch.testing.assert_close(some.get(key).layers[1][1], whole.get(key).layers[1][1], atol=0, rtol=0)
 
 

@@ -21,7 +21,7 @@ from redis_server import start_or_skip
 from ragkv.blend import BlendEngine
 from ragkv.chunking import chunk_document
 from ragkv.cli import main
-from ragkv.policy import StorageFormat
+from ragkv.policy import PrecomputePolicy, StorageFormat
 from ragkv.precompute import key_shard, parse_shard, precompute
 from ragkv.sources import Report, read_documents
 from ragkv.store import open_store
@@ -98,23 +98,24 @@ def test_cli_disk_idempotent_stats_and_engine_keys(corpus, tmp_path, smollm2):
     r, first = _cli("precompute", corpus, "--store", uri, "--chunk-tokens", 256, "--json")
     assert r.exit_code == 0, r.output
     assert first["docs"] == len(DOCS) + 2 and first["failed"] == 0 and first["skipped"] == 0
-    assert first["new"] == first["chunks"] > len(DOCS) and first["bytes_written"] > 0
+    # two entries per chunk: its gap/context entry and its lead entry (PrecomputePolicy.lead)
+    assert first["new"] == 2 * first["chunks"] and first["chunks"] > len(DOCS) and first["bytes_written"] > 0
     assert first["tokens_per_s"] > 0 and len(first["files_skipped"]) == 3
     assert "tokens/s" in r.stderr  # the summary (and the progress bar) go to stderr
 
     r, second = _cli("precompute", corpus, "--store", uri, "--chunk-tokens", 256, "--json")
-    assert r.exit_code == 0 and second["new"] == 0 and second["skipped"] == first["chunks"]
+    assert r.exit_code == 0 and second["new"] == 0 and second["skipped"] == first["new"]
     assert second["bytes_written"] == 0
 
     r, st = _cli("stats", "--store", uri, "--json")
-    assert st["tiers"][0]["entries"] == first["chunks"]
+    assert st["tiers"][0]["entries"] == first["new"]
 
     # the read path finds every chunk the job wrote: 0 misses
     model, tok = smollm2
     texts = _chunk_texts(tok, DOCS, 256)
     with open_store(uri) as store:
         engine = BlendEngine(model, tok, store)
-        assert {engine.chunk_key(engine.template.chunk_ids(t)) for t in texts} <= set(store.keys())
+        assert {k for t in texts for k, _ in engine.entry_keys(engine.template.chunk_ids(t))} <= set(store.keys())
         res = engine.prefill("What is this about?", texts[:3])
         assert res.stats.misses == 0 and res.stats.hits == 3
 
@@ -127,10 +128,10 @@ def test_shards_cover_every_chunk_once(tiny_smollm2):
         store = open_store("memory")
         engine = BlendEngine(model, tok, store, storage=StorageFormat("int8"))
         s = precompute(engine, texts=texts, chunk_tokens=96, shard=f"{i}/2")
-        assert s.failed == 0 and s.new == s.chunks == len(list(store.keys()))
+        assert s.failed == 0 and s.new == 2 * s.chunks == len(list(store.keys()))
         halves.append(set(store.keys()))
     engine = BlendEngine(model, tok, open_store("memory"))
-    every = {engine.chunk_key(engine.template.chunk_ids(c)) for c in _chunk_texts(tok, DOCS[:2], 96)}
+    every = {k for c in _chunk_texts(tok, DOCS[:2], 96) for k, _ in engine.entry_keys(engine.template.chunk_ids(c))}
     assert halves[0] and halves[1] and not halves[0] & halves[1]
     assert halves[0] | halves[1] == every
 
@@ -156,7 +157,7 @@ def test_kill9_mid_run_then_rerun(corpus, tmp_path, smollm2):
         s = precompute(BlendEngine(model, tok, store), paths=[corpus], chunk_tokens=64)
         assert s.failed == 0 and s.skipped >= before >= 1 and s.new >= 1
         keys = list(store.keys())
-        assert len(keys) == s.chunks
+        assert len(keys) == 2 * s.chunks  # each chunk's gap/context and lead entries
         assert all(store.get(k) is not None for k in keys)
         assert store.stats()["corruptions"] == 0
 
@@ -170,7 +171,8 @@ def test_failed_writes_are_counted_not_fatal(tiny_smollm2):
             raise StoreError("disk on fire")
 
     model, tok = tiny_smollm2
-    s = precompute(BlendEngine(model, tok, Broken()), texts=["A short note about lighthouses.", "Another one."])
+    engine = BlendEngine(model, tok, Broken(), policy=PrecomputePolicy(lead=False))  # one entry per chunk
+    s = precompute(engine, texts=["A short note about lighthouses.", "Another one."])
     assert s.chunks == 2 and s.failed == 2 and s.new == 0 and "disk on fire" in s.errors[0]
     assert s.stopped is None  # two failures in a row do not stop a job
 
@@ -215,16 +217,16 @@ def test_cli_redis_twice(redis_uri, tmp_path, smollm2):
     args = ("precompute", tmp_path / "d", "--store", uri, "--namespace", ns, "--chunk-tokens", 128, "--json")
     r, first = _cli(*args)
     assert r.exit_code == 0, r.output
-    assert first["new"] == first["chunks"] >= 2 and first["failed"] == 0
+    assert first["new"] == 2 * first["chunks"] and first["chunks"] >= 2 and first["failed"] == 0
     r, second = _cli(*args)
-    assert second["new"] == 0 and second["skipped"] == first["chunks"]
+    assert second["new"] == 0 and second["skipped"] == first["new"]
     r, st = _cli("stats", "--store", uri, "--json")
-    assert st["tiers"][0]["entries"] == first["chunks"]
+    assert st["tiers"][0]["entries"] == first["new"]
     model, tok = smollm2
     with open_store(uri) as store:
         engine = BlendEngine(model, tok, store, namespace=ns)
         texts = _chunk_texts(tok, DOCS[:1], 128)
-        keys = [engine.chunk_key(engine.template.chunk_ids(t)) for t in texts]
+        keys = [k for t in texts for k, _ in engine.entry_keys(engine.template.chunk_ids(t))]
         assert set(keys) == set(store.keys()) and all(store.get(k) is not None for k in keys)
 
 
@@ -238,7 +240,7 @@ def test_paths_and_texts_are_separate_arguments(tiny_smollm2, tmp_path):
         precompute(engine, str(tmp_path))  # a bare string was once indexed as the literal text "/tmp/..."
     (tmp_path / "a.md").write_text("A document about lighthouses and their keepers.")
     s = precompute(engine, paths=[str(tmp_path)], texts=["An inline document about bread."])
-    assert s.docs == 2 and s.new == 2 and s.failed == 0
+    assert s.docs == 2 and s.chunks == 2 and s.new == 4 and s.failed == 0
 
 
 @pytest.mark.parametrize("setup", ["missing", "empty dir", "binary only"])
@@ -313,7 +315,7 @@ def test_rerun_fills_every_tier_that_lacks_an_entry(tiny_smollm2, tmp_path):
     uri = f"disk://{tmp_path / 'a'},disk://{tmp_path / 'b'}"
     with open_store(uri) as store:
         first = precompute(BlendEngine(model, tok, store), texts=texts)
-        assert first.new == 6
+        assert first.new == 12  # 6 chunks, each with its lead entry
     with open_store(f"disk://{tmp_path / 'b'}") as b:  # tier b loses everything ...
         b.clear()
     with open_store(f"disk://{tmp_path / 'a'}") as a:  # ... and one file of tier a is cut short
@@ -322,10 +324,10 @@ def test_rerun_fills_every_tier_that_lacks_an_entry(tiny_smollm2, tmp_path):
         p.write_bytes(p.read_bytes()[:100])
     with open_store(uri) as store:
         again = precompute(BlendEngine(model, tok, store), texts=texts)
-        assert (again.skipped, again.repaired, again.new, again.failed) == (0, 5, 1, 0)
+        assert (again.skipped, again.repaired, again.new, again.failed) == (0, 11, 1, 0)
         keys = list(store.keys())
-        assert len(keys) == 6 and all(not store.missing_tiers(k) for k in keys)
-        assert precompute(BlendEngine(model, tok, store), texts=texts).skipped == 6
+        assert len(keys) == 12 and all(not store.missing_tiers(k) for k in keys)
+        assert precompute(BlendEngine(model, tok, store), texts=texts).skipped == 12
 
 
 def test_unreadable_subdirectory_is_reported(tmp_path, monkeypatch):

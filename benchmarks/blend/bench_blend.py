@@ -129,6 +129,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=PrecomputePolicy.context,
                     help="precompute policy's neighbour chunks (default: the policy's); the split's documents are "
                          "precomputed first, so neighbours come from the corpus as in `ragkv precompute`")
+    ap.add_argument("--lead", action=argparse.BooleanOptionalAction, default=PrecomputePolicy.lead,
+                    help="precompute policy's lead entries: the prompt's first chunk read from its entry prefilled "
+                         "right behind the template prefix")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", action="store_true")
@@ -141,7 +144,7 @@ def main() -> None:
     model, tok = models.load("smollm2-135m", dtype=args.dtype)
     dtype = str(model.dtype).removeprefix("torch.")
     store = open_store(args.store or f"disk://{out.parent.resolve()}/store-{dtype}?max_bytes=20G")
-    engine = BlendEngine(model, tok, store, BlendConfig(), policy=PrecomputePolicy(context=args.context))
+    engine = BlendEngine(model, tok, store, BlendConfig(), policy=PrecomputePolicy(context=args.context, lead=args.lead))
     prompts = corpus.load(args.split)
     if args.per_genre:
         prompts = [p for p in prompts if sum(q["genre"] == p["genre"] for q in prompts[: prompts.index(p)]) < args.per_genre]
@@ -153,7 +156,7 @@ def main() -> None:
           f"{engine.policy_id}: {done.new} new, {done.skipped} stored ({time.time() - t0:.0f} s)", flush=True)
     report = {"meta": {"command": "python " + " ".join(sys.argv), "model": "SmolLM2-135M-Instruct", "dtype": dtype,
                        "threads": torch.get_num_threads(), "split": args.split, "per_genre": args.per_genre, "repeats": args.repeats,
-                       "policy": engine.policy_id,
+                       "policy": engine.policy_id, "lead": engine.lead,
                        "methods": [m for m, _ in methods], "ratios": ratios, "n_tokens": N_TOKENS,
                        "started": time.strftime("%Y-%m-%d %H:%M")}, "prompts": []}
     if args.resume and out.exists():

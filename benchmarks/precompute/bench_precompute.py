@@ -8,9 +8,10 @@
              tokenizing, keys, contains, prefill_kv, encode + fsync'd atomic writes (background thread)
     tokens/s counts chunk tokens (the cached ones) for both; the ratio is ours / plain.
 
-Both sides run the chunks behind the sink only (``PrecomputePolicy(context=0)``): this measures
-ragkv's overhead around the forward. The default policy (context=1) also runs each chunk's nearest
-neighbour through the model, about twice the tokens; its cost is in RESULTS.md.
+Both sides run the chunks behind the sink only (``PrecomputePolicy(context=0, lead=False)``): this
+measures ragkv's overhead around the forward. The default policy (context=1, lead) also runs each
+chunk's nearest neighbour through the model (about twice the tokens) and stores each chunk a second
+time right behind the sink (its lead entry); their cost is in RESULTS.md.
 
     .venv/bin/python benchmarks/precompute/bench_precompute.py [--chunks 20] [--repeats 2]
 """
@@ -77,7 +78,7 @@ def main() -> None:
 
     model, tok = models.load(args.model)
     texts = corpus_chunks(tok, args.chunks, args.chunk_tokens)
-    policy = PrecomputePolicy(context=0)  # like with like: plain_forward runs sink + chunk only
+    policy = PrecomputePolicy(context=0, lead=False)  # like with like: plain_forward runs sink + chunk only
     engine = BlendEngine(model, tok, open_store("memory"), policy=policy)  # keys/sink only; warms the fingerprint
     n_tok = sum(len(engine.template.chunk_ids(t)) for t in texts)
     plain_forward(model, engine, texts[:2], args.batch_tokens)  # warm-up

@@ -49,7 +49,7 @@ def _ratio(ctx, param, value: str):
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_policy_options
 def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_queue, default_max_tokens,
-          served_model_name, namespace, shutdown_timeout, threads, log_level, sink, gap, context):
+          served_model_name, namespace, shutdown_timeout, threads, log_level, sink, gap, context, lead):
     """OpenAI-compatible chat completions answered from cached chunks (needs ragkv[serve]).
 
     \b
@@ -77,7 +77,7 @@ def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_q
     try:
         _check([store])
         engine = _engine(model_name, model_dtype, store, BlendConfig(ratio=ratio, selector=selector), sink=sink,
-                         gap=gap, namespace=namespace, context=context)
+                         gap=gap, namespace=namespace, context=context, lead=lead)
     except BaseException:
         store.close()
         raise

@@ -56,10 +56,12 @@ def blend_and_write(engine, job, layers, block_size: int) -> dict:
 @torch.inference_mode()
 def write_back(engine, job) -> int:
     """Prefill on their own (ragkv's precompute policy) and store the prompt's chunks (and prefix)
-    the store lacks. -> entries written."""
+    the store lacks, and the first chunk's lead entry under ``engine.lead``. -> entries written."""
     prompt = prompt_of(job)
     segs = [Segment(engine.chunk_key(ids), ids, 0)
             for ids, stored in zip(prompt.chunk_ids, job.stored) if not stored]
+    if engine.lead and prompt.chunk_ids:
+        segs.append(Segment(engine.lead_key(prompt.chunk_ids[0]), prompt.chunk_ids[0], 0, lead=True))
     if prompt.prefix_ids:
         segs.append(Segment(engine.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, is_prefix=True))
     missing = [s for s in segs if not engine.store.contains(s.key)]

@@ -26,12 +26,18 @@ class Segment:
     ids: list[int]
     start: int  # position in this prompt
     is_prefix: bool = False
+    lead: bool = False  # the prompt's first chunk, read from its lead entry (PrecomputePolicy.lead)
     stored_start: int = 0  # position of its first token when it was prefilled
     layers: list | None = None  # computed during this request: [(K, V)] per layer, model dtype
 
     @property
     def end(self) -> int:
         return self.start + len(self.ids)
+
+    @property
+    def kind(self) -> str:
+        """How its entry was prefilled: 'prefix', 'lead' or 'chunk' (BlendEngine.prefill_chunks)."""
+        return "prefix" if self.is_prefix else "lead" if self.lead else "chunk"
 
 
 class FusedCache:

@@ -12,6 +12,9 @@
 ratio = 0 is naive reuse (no recompute but the suffix); ratio = 1 recomputes every chunk token in
 every layer and equals full prefill. The prefix is cached as a true prefix (positions 0..P-1), so
 its K/V are exact and it is never recomputed after the whole-prompt layers.
+Under ``PrecomputePolicy.lead`` the first chunk is read from its lead entry (prefilled right
+behind the template prefix: exact when the prompt's prefix is the template's); a store without one
+serves its gap entry instead (``stats.lead`` False).
 
 The write path shares this engine's keys, policy and encoding: ``prefill_chunks`` and
 ``write_entry`` are what both the write-back of misses and the precompute job use.
@@ -72,8 +75,12 @@ class BlendEngine:
         self.namespace = namespace
         self.fingerprint = fingerprint(model, tokenizer).digest()
         self.policy_id = self.policy.policy_id(self.template)
+        self.lead_id = self.policy.lead_id(self.template)
         self.sink_ids = self.policy.sink_ids(self.template)
         self.chunk_start = self.policy.chunk_start(self.template)  # stored start position of every chunk
+        self.lead_start = len(self.sink_ids)  # ... and of every lead entry
+        # with gap 0 (and so no context) the chunk entry already sits right behind the sink: it is its own lead
+        self.lead = self.policy.lead and self.chunk_start != self.lead_start
         self.model_dtype = str(model.dtype).removeprefix("torch.")
         self._controller = None  # built on the first ratio="auto" (measures the model once)
 
@@ -93,13 +100,36 @@ class BlendEngine:
     def chunk_key(self, ids: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, ids, self.policy_id, self.namespace)
 
+    def lead_key(self, ids: Sequence[int]) -> str:
+        """The key of a chunk's lead entry (PrecomputePolicy.lead)."""
+        return chunk_key(self.fingerprint, ids, self.lead_id, self.namespace)
+
     def prefix_key(self, ids: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, ids, PREFIX_POLICY, self.namespace)
 
+    def entry_keys(self, ids: Sequence[int]) -> list[tuple[str, str]]:
+        """(key, kind) of every entry the write path stores for one chunk: its gap/context entry and,
+        under ``self.lead``, its lead entry."""
+        keys = [(self.chunk_key(ids), "chunk")]
+        if self.lead:
+            keys.append((self.lead_key(ids), "lead"))
+        return keys
+
+    def layout(self, kind: str) -> tuple[int, str]:
+        """(stored start position, policy id) of an entry of ``kind``: 'chunk' (behind the sink, the gap
+        and the context), 'lead' (right behind the sink) or 'prefix' (the exact prefix, at 0)."""
+        if kind == "chunk":
+            return self.chunk_start, self.policy_id
+        if kind == "lead":
+            return self.lead_start, self.lead_id
+        if kind == "prefix":
+            return 0, PREFIX_POLICY
+        raise ValueError(f"entry kind {kind!r}: valid are chunk, lead, prefix")
+
     def entry_meta(self, key: str, ids: Sequence[int], start: int, policy: str) -> EntryMeta:
         """The metadata of an entry this engine writes: ``ids`` prefilled from position ``start``
-        under ``policy`` (``self.policy_id`` at ``self.chunk_start`` for chunks, PREFIX_POLICY at 0
-        for the exact prefix), with the model's shape and fingerprint and this engine's storage."""
+        under ``policy`` (``layout(kind)``), with the model's shape and fingerprint and this engine's
+        storage."""
         a = self.adapter
         storage, axis = self.storage.resolve(self.model_dtype)
         return EntryMeta(
@@ -108,54 +138,63 @@ class BlendEngine:
             storage_dtype=storage, quant_axis=axis, fingerprint=self.fingerprint, policy=policy,
         )
 
-    def prefill_chunks(self, chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, prefix: bool = False,
+    def prefill_chunks(self, chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, kind: str = "chunk",
                        contexts: Sequence[Sequence[int]] | None = None):
-        """Per chunk, per layer (K, V) of each chunk prefilled on its own under the precompute policy
-        (the exact prefix: at position 0, behind nothing); under ``context=k``, behind ``contexts[i]``
-        (``neighbour_contexts``: its k nearest chunks of the corpus the writer sees)."""
-        if prefix:
+        """Per chunk, per layer (K, V) of each chunk prefilled on its own as an entry of ``kind``
+        (``layout``): 'chunk' behind the sink and the gap, and under ``context=k`` behind
+        ``contexts[i]`` (``neighbour_contexts``: its k nearest chunks of the corpus the writer sees);
+        'lead' right behind the sink; 'prefix' at position 0, behind nothing."""
+        self.layout(kind)  # (a clear error for an unknown kind)
+        if kind == "prefix":
             return prefill_kv(self.model, [], chunks, batch_tokens, gap=0)
+        if kind == "lead":
+            return prefill_kv(self.model, self.sink_ids, chunks, batch_tokens, gap=0)
         return prefill_kv(self.model, self.sink_ids, chunks, batch_tokens, gap=self.policy.gap,
                           contexts=contexts if self.policy.context else None)
 
-    def write_entry(self, key: str, ids: Sequence[int], kv, prefix: bool = False) -> int:
-        """Encode and store one chunk's K/V; -> bytes written (0: the store already held it).
-        Raises StoreError when the store could not take it."""
-        start, policy = (0, PREFIX_POLICY) if prefix else (self.chunk_start, self.policy_id)
-        enc = encode(self.entry_meta(key, ids, start, policy), kv)
+    def write_entry(self, key: str, ids: Sequence[int], kv, kind: str = "chunk") -> int:
+        """Encode and store one entry of ``kind`` (``layout``); -> bytes written (0: the store already
+        held it). Raises StoreError when the store could not take it."""
+        enc = encode(self.entry_meta(key, ids, *self.layout(kind)), kv)
         return enc.nbytes if self.store.put_encoded(key, enc) else 0
 
     def compute_and_store(self, segments: Sequence[Segment], write_back: bool = True,
                           pool: Sequence[Sequence[int]] | None = None) -> None:
-        """Prefill segments on their own under the policy (``seg.layers``) and write them back; a
-        failed write-back (store down or full) is logged and never fails the request. ``pool``: the
-        chunks neighbours are chosen from under ``context=k`` (the prompt's chunks)."""
-        for prefix in (True, False):
-            group = [s for s in segments if s.is_prefix == prefix]
+        """Prefill segments on their own as entries of their kind (``seg.layers``) and write them
+        back; a failed write-back (store down or full) is logged and never fails the request.
+        ``pool``: the chunks neighbours are chosen from under ``context=k`` (the prompt's chunks)."""
+        for kind in ("prefix", "lead", "chunk"):
+            group = [s for s in segments if s.kind == kind]
             if not group:
                 continue
             ids = [s.ids for s in group]
             contexts = None
-            if not prefix and self.policy.context:
+            if kind == "chunk" and self.policy.context:
                 contexts = neighbour_contexts(ids, ids if pool is None else pool, self.policy.context)
-            kvs = self.prefill_chunks(ids, prefix=prefix, contexts=contexts)
+            kvs = self.prefill_chunks(ids, kind=kind, contexts=contexts)
             for seg, kv in zip(group, kvs):
-                seg.layers, seg.stored_start = kv, 0 if prefix else self.chunk_start
+                seg.layers, seg.stored_start = kv, self.layout(kind)[0]
                 if not write_back:
                     continue
                 try:
-                    self.write_entry(seg.key, seg.ids, kv, prefix)
+                    self.write_entry(seg.key, seg.ids, kv, kind)
                 except StoreError as e:
                     log.warning("write-back of %s failed: %s", seg.key, e)
 
     def ensure(self, contexts: Sequence[str]) -> tuple[list[str], int]:
-        """Make sure every context's chunk K/V is in the store; return (keys, number computed)."""
+        """Make sure every context's chunk entries are in the store (under ``self.lead`` its lead
+        entry too, as the precompute job writes them); return (the chunks' keys, number of chunks
+        with an entry computed)."""
         chunks = self.template.chunks(contexts, self.adapter.max_positions)
-        segs = [Segment(self.chunk_key(ids), ids, 0) for ids in chunks]
-        missing = [s for s in segs if not self.store.contains(s.key)]
+        missing, computed = [], 0
+        for ids in chunks:
+            segs = [Segment(key, ids, 0, lead=kind == "lead") for key, kind in self.entry_keys(ids)
+                    if not self.store.contains(key)]
+            missing += segs
+            computed += bool(segs)
         if missing:
             self.compute_and_store(missing, pool=chunks)
-        return [s.key for s in segs], len(missing)
+        return [self.chunk_key(ids) for ids in chunks], computed
 
     # ------------------------------------------------------------------ the read path
 
@@ -177,7 +216,8 @@ class BlendEngine:
         segments = self._segments(prompt)
         stats = BlendStats(chunks=len(prompt.chunk_ids), prompt_tokens=prompt.num_tokens,
                            selector=self.config.selector.name)
-        with self.store.pin([s.key for s in segments]):
+        pinned = [s.key for s in segments] + [self.chunk_key(s.ids) for s in segments if s.lead]  # (+ fallback)
+        with self.store.pin(pinned):
             self._lookup(segments, stats)
             stats.t_lookup = time.perf_counter() - t0
             stats.reused_tokens = sum(len(s.ids) for s in segments if not s.is_prefix and s.layers is None)
@@ -190,23 +230,35 @@ class BlendEngine:
         segments = []
         if prompt.prefix_ids:
             segments.append(Segment(self.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, is_prefix=True))
-        for ids, start in zip(prompt.chunk_ids, prompt.chunk_starts()):
-            segments.append(Segment(self.chunk_key(ids), ids, start))
+        for i, (ids, start) in enumerate(zip(prompt.chunk_ids, prompt.chunk_starts())):
+            lead = i == 0 and self.lead
+            segments.append(Segment(self.lead_key(ids) if lead else self.chunk_key(ids), ids, start, lead=lead))
         return segments
 
     def _lookup(self, segments: list[Segment], stats: BlendStats) -> None:
-        """Find every segment's entry; prefill and write back the missing ones."""
+        """Find every segment's entry; prefill and write back the missing ones. A first chunk without
+        its lead entry is served by its gap entry when the store holds that (a store written without
+        ``lead``); only when neither is there is the lead entry computed."""
         missing = []
         for seg in segments:
-            meta = self.store.get_meta(seg.key)
-            if meta is None or not self._meta_matches(meta, seg):
+            meta = self._stored_meta(seg)
+            if meta is None and seg.lead:
+                fallback = replace(seg, key=self.chunk_key(seg.ids), lead=False)
+                if (meta := self._stored_meta(fallback)) is not None:
+                    seg.key, seg.lead = fallback.key, False
+            if meta is None:
                 missing.append(seg)
             else:
                 seg.stored_start = meta.start_pos
+        stats.lead = any(s.lead for s in segments)
         stats.misses = sum(not s.is_prefix for s in missing)
         stats.hits = sum(not s.is_prefix for s in segments) - stats.misses
         if missing:
             self.compute_and_store(missing, pool=[s.ids for s in segments if not s.is_prefix])
+
+    def _stored_meta(self, seg: Segment) -> EntryMeta | None:
+        meta = self.store.get_meta(seg.key)
+        return meta if meta is not None and self._meta_matches(meta, seg) else None
 
     def _meta_matches(self, meta: EntryMeta, seg: Segment) -> bool:
         a = self.adapter

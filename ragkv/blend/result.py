@@ -12,6 +12,7 @@ class BlendStats:
     chunks: int = 0
     hits: int = 0  # chunks found in the store at lookup
     misses: int = 0  # chunks prefilled (and written back) at lookup
+    lead: bool = False  # the first chunk came from (or was computed as) its lead entry
     # entries that failed while their layers were read, each then recomputed for this request:
     corrupt: int = 0  # damaged (or in an unsupported format): the store's verdict
     vanished: int = 0  # gone since the lookup (evicted or deleted by another process)
