@@ -74,6 +74,23 @@ def test_precompute_writes_both_entries_and_reruns_skip_them(tiny_smollm2):
     assert again.new == 0 and again.skipped == 2 * again.chunks
 
 
+def test_precompute_with_lead_over_a_store_without_adds_only_the_lead_entries(tiny_smollm2):
+    """Upgrading a store written without lead entries: the rerun computes the lead entries only."""
+    model, tok = tiny_smollm2
+    store = MemoryStore()
+    docs = ["The lighthouse keeper counted the ships every night. " * 6, "Sourdough needs a starter. " * 8]
+    old = precompute(BlendEngine(model, tok, store, policy=PrecomputePolicy(context=0, lead=False)), texts=docs,
+                     chunk_tokens=32)
+    assert old.new == old.chunks > 1
+    gap_keys = list(store.keys())
+    gap_entries = {k: store.get_meta(k) for k in gap_keys}
+    eng = BlendEngine(model, tok, store, policy=PrecomputePolicy(context=0))
+    up = precompute(eng, texts=docs, chunk_tokens=32)
+    assert up.new == up.skipped == up.chunks == old.chunks and up.failed == 0
+    assert {k: store.get_meta(k) for k in gap_entries} == gap_entries  # untouched
+    assert sum(m.policy == eng.lead_id for m in map(store.get_meta, list(store.keys()))) == up.chunks
+
+
 def test_a_store_without_lead_entries_serves_the_gap_entry_and_gains_nothing():
     """A store written without lead: a reader with lead reads the first chunk's gap entry (exactly what a
     reader without lead gets), computes nothing and writes nothing."""
