@@ -31,9 +31,9 @@ template prefix), so the read path takes it for the prompt's first chunk and the
 correction at all; the other chunks read their gap/context entry. The first chunk is where a fused
 cache errs most (its gap entry was prefilled ~1000 positions from a sink it sits right behind), and
 the error of its K/V reaches every later token. Measured in benchmarks/blend (RESULTS.md). Cost: a
-second entry per chunk (2x storage; +35% precompute time measured, benchmarks/precompute); none
-at query time. A reader with ``lead``
-over a store written without it falls back to the gap entry (stats.lead = False).
+second entry per chunk (2x storage; +35% precompute time measured, benchmarks/precompute); no more
+work at query time. A reader with ``lead`` over a store written without it falls back to the gap
+entry (stats.lead = False).
 
 The chunk is stored with ``start_pos = len(sink) + gap`` (a lead entry: ``len(sink)``); the read path
 re-rotates its keys from there. The policy id (sink, gap, context, version, digest of the sink ids) is

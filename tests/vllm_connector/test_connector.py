@@ -85,13 +85,13 @@ def test_a_corrupt_entry_is_recomputed_with_the_right_answer(vllm_env):
     docs = DOCS[:3]
     keys, _ = engine.ensure(docs)
     assert isinstance(engine.store, DiskStore)
-    path = engine.store.path(keys[0])
+    path = engine.store.path(keys[1])  # the second chunk: read from this entry (the first has its lead entry)
     data = bytearray(path.read_bytes())
     for i in range(len(data) - 4096, len(data)):  # damage the last layers' blobs, keep the header
         data[i] ^= 0x5A
     path.write_bytes(bytes(data))
     ids = engine.build_prompt("Who built the lighthouse at Kerran Point?", docs).input_ids
-    _, text, info = generate(llm, ids)
+    _, text, info = generate(llm, ids, max_tokens=32)
     assert info["offered"] and info["blend"]["corrupt"] == 1
     assert "Ada Morrow" in text
 
@@ -101,6 +101,10 @@ def test_other_prompts_are_left_to_vllm(vllm_env):
     tok = engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=False)
-    _, text, info = generate(llm, tok(ids, add_special_tokens=False)["input_ids"])
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    toks, text, info = generate(llm, ids)
     assert not info["recognised"] and not info["offered"]
-    assert "Paris" in text
+    # vLLM's own answer, token for token (the answer itself depends on the CPU's bf16 kernels: with
+    # AMX this 135M model says "L'Étoile, ...", emulated it said "Paris")
+    own, _, _ = generate(llm, ids, extra={"ragkv_skip": True})
+    assert text and toks == own
