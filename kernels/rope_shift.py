@@ -156,17 +156,23 @@ def rope_shift_torch(
     out_dtype: torch.dtype | None = None,
     rotary_dim: int | None = None,
 ) -> torch.Tensor:
-    """Reference: dequantize to fp32, rotate by delta * inv_freq (angle and cos/sin in float64)."""
-    _, _, _, half = _check(k, scale, delta, inv_freq, rotary_dim)
+    """Reference (and the CPU path): dequantize to fp32, rotate by delta * inv_freq (angle and cos/sin in
+    float64, rounded to fp32), round once to the output dtype."""
+    H, T, D, half = _check(k, scale, delta, inv_freq, rotary_dim)
     x = k.to(torch.float32)
     if scale is not None:
         x = x * scale.to(torch.float32)
     # a chunk shares one delta: the angles (float64) are computed once per distinct delta, then gathered
     uniq, which = torch.unique(delta, return_inverse=True)
     theta = uniq.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # [U, R/2]
-    emb = torch.cat((theta, theta), dim=-1)
-    cos, sin = emb.cos().to(torch.float32)[which], emb.sin().to(torch.float32)[which]  # [T, R]
-    xr, xp = x[..., : 2 * half], x[..., 2 * half :]
-    rotate_half = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-    out = torch.cat((xr * cos + rotate_half * sin, xp), dim=-1)
-    return out.to(_out_dtype(k, out_dtype))
+    cos, sin = theta.cos().to(torch.float32)[which], theta.sin().to(torch.float32)[which]  # [T, R/2]
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1), one half at a time (fewer passes
+    # over the keys than building rotate_half; the same fp32 products and sums)
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    out = torch.empty((H, T, D), dtype=_out_dtype(k, out_dtype), device=k.device)
+    y = x1 * cos
+    out[..., :half] = y.sub_(x2 * sin)
+    y = x2 * cos
+    out[..., half : 2 * half] = y.add_(x1 * sin)
+    out[..., 2 * half :] = x[..., 2 * half :]
+    return out
