@@ -12,7 +12,15 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ragkv import models
 from ragkv.adapter import ModelAdapter, UnsupportedModelError
-from ragkv.blend import SELECTORS, BlendConfig, BlendEngine, DeviationSelector, HybridSelector, QuerySelector
+from ragkv.blend import (
+    SELECTORS,
+    BlendConfig,
+    BlendEngine,
+    DeviationSelector,
+    HybridSelector,
+    QuerySelector,
+    StartsSelector,
+)
 from ragkv.blend import attention as attention_mod
 from ragkv.blend import cache as cache_mod
 from ragkv.blend.select import SelectionRequest
@@ -465,7 +473,8 @@ def test_auto_ratio_works_with_every_selector(name):
                                       QuerySelector(depth=2, skip_layers=1), QuerySelector(full_layers=2),
                                       HybridSelector(),
                                       HybridSelector(widen=3.0, check_layer=1, fuse="deviation"),
-                                      HybridSelector(widen=2.0, fuse="rank"), QuerySelector(value_norm=True)])
+                                      HybridSelector(widen=2.0, fuse="rank"), QuerySelector(value_norm=True),
+                                      StartsSelector()])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
     model = models.tiny_model("llama", attn_implementation=attn)
@@ -566,6 +575,24 @@ def test_value_norm_weights_the_question_attention_by_each_value():
     assert set(res.selected.tolist()) == set((torch.topk(score, 9).indices + P).tolist())
     plain = BlendEngine(model, None, eng.store, BlendConfig(selector=QuerySelector()), template=TEMPLATE)
     assert set(plain.prefill_prompt(prompt, ratio=0.1).selected.tolist()) != set(res.selected.tolist())
+
+
+def test_starts_recomputes_the_first_tokens_of_every_chunk_evenly():
+    """The budget goes to the first tokens of every chunk, as many in each; a short chunk's surplus
+    goes to the others; an exact lead chunk comes last."""
+    def rows(ratio, lead=False, bounds=((0, 10), (10, 6), (16, 8))):
+        req = SelectionRequest(prefix_len=3, chunk_len=24, total=30, chunk_bounds=bounds, ratio=ratio, num_layers=4,
+                               lead=lead)
+        sched = StartsSelector().schedule(req)
+        assert sched.checks == {}  # every layer: no whole-prompt layer, nothing scored
+        return sched.start.tolist()
+
+    assert rows(0.0) == []
+    assert rows(6 / 24) == [0, 1, 10, 11, 16, 17]
+    assert rows(6 / 24, lead=True) == [10, 11, 12, 16, 17, 18]
+    assert rows(20 / 24, lead=True) == [*range(6), *range(10, 24)]  # chunks 2 and 3 whole, then the lead chunk
+    assert rows(9 / 24, bounds=((0, 2), (2, 22))) == [0, 1, *range(2, 9)]
+    assert rows(1.0) == list(range(24))
 
 
 def test_hybrid_product_keeps_attention_times_deviation():

@@ -7,7 +7,7 @@ import torch
 from blend_testlib import TEMPLATE, make_prompt
 
 from ragkv import models
-from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.blend import BlendConfig, BlendEngine, StartsSelector
 from ragkv.chunking import chunk_document
 from ragkv.policy import PrecomputePolicy
 from ragkv.precompute import precompute
@@ -148,3 +148,28 @@ def test_gap_zero_needs_no_lead_entry(tiny_smollm2):
     chunks = chunk_document(docs[0], eng.template, 32)
     res = eng.prefill("Who counted the ships?", chunks, ratio=0.15)
     assert res.stats.hits == len(chunks) and res.stats.misses == 0 and not res.stats.lead
+
+
+def test_selectors_are_told_when_the_first_chunk_is_its_lead_entry():
+    """SelectionRequest.lead: True when the first chunk was read (or computed) as its lead entry, False
+    when a store without lead entries served its gap entry; `starts` then spends nothing on it."""
+    seen = []
+
+    class Spy(StartsSelector):
+        def schedule(self, req):
+            seen.append(req.lead)
+            return super().schedule(req)
+
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=7, sizes=(20, 20))
+    old = MemoryStore()
+    engine(model, old, lead=False).prefill_prompt(prompt, ratio=0)  # a store written without lead entries
+    for store, lead in ((MemoryStore(), True), (old, False)):
+        eng = BlendEngine(model, None, store, BlendConfig(selector=Spy(), pipelined=False), template=TEMPLATE)
+        eng.prefill_prompt(prompt, ratio=0)  # (the store now holds what this reader needs)
+        res = eng.prefill_prompt(prompt, ratio=0.5)
+        assert seen[-1] is lead and res.stats.lead is lead
+        P = len(prompt.prefix_ids)
+        # 20 of the 40 chunk tokens: the whole second chunk behind an exact lead chunk, else 10 of each
+        expected = [*range(P + 20, P + 40)] if lead else [*range(P, P + 10), *range(P + 20, P + 30)]
+        assert res.selected.tolist() == expected

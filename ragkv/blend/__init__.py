@@ -6,7 +6,14 @@ cache (the fused K/V and the handoff), result (what a request returns)."""
 from ragkv.blend.config import BlendConfig, check_ratio
 from ragkv.blend.engine import BlendEngine
 from ragkv.blend.result import BlendResult, BlendStats
-from ragkv.blend.select import SELECTORS, DeviationSelector, HybridSelector, QuerySelector, Selector
+from ragkv.blend.select import (
+           SELECTORS,
+           DeviationSelector,
+           HybridSelector,
+           QuerySelector,
+           Selector,
+           StartsSelector,
+)
 
 __all__ = ["SELECTORS", "BlendConfig", "BlendEngine", "BlendResult", "BlendStats", "DeviationSelector",
-           "HybridSelector", "QuerySelector", "Selector", "check_ratio"]
+           "HybridSelector", "QuerySelector", "Selector", "StartsSelector", "check_ratio"]

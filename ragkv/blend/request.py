@@ -46,7 +46,7 @@ class BlendRequest:
         self.P, self.C, self.T = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids)), prompt.num_tokens
         chunk_rows = [(s.start - self.P, len(s.ids)) for s in segments if not s.is_prefix]
         self.selection = SelectionRequest(self.P, self.C, self.T, tuple(chunk_rows), ratio, a.num_layers,
-                                          a.num_kv_heads)
+                                          a.num_kv_heads, lead=any(s.lead for s in segments))
         self.positions = torch.arange(self.T, device=a.device)
         self.cache = FusedCache(a, self.T)
         self.calls = LayerCalls(a, self.T)

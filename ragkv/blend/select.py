@@ -42,6 +42,7 @@ class SelectionRequest:
     ratio: float  # fraction of chunk rows recomputed after selection (resolved, not "auto")
     num_layers: int
     kv_heads: int = 1
+    lead: bool = False  # the first chunk's K/V are its lead entry: exactly full prefill's (PrecomputePolicy.lead)
     # probe(observe): runs the suffix alone through every layer over the fused stored K/V, calling
     # observe(layer, probs [Hq, S, T], values [Hkv, T, D]) with its attention (and the values it
     # weights) in each; the engine keeps what it loaded
@@ -289,10 +290,38 @@ class HybridSelector(Selector):
         return Schedule(start.cpu(), {self.check_layer: n} if wide > n else {}, score)
 
 
+@dataclass(frozen=True)
+class StartsSelector(Selector):
+    """Recompute the first tokens of every chunk, as many in each, in every layer: no probe, no
+    whole-prompt layer, nothing to score, so the cheapest selection there is, for low ratios. A
+    chunk's stored K/V were computed behind other text than its predecessors in the prompt (the
+    template prefix, a gap, a neighbour chunk), and the difference is largest in its first tokens,
+    which saw only that text; later tokens mostly attend within the chunk. A first chunk read from
+    its lead entry is already exact: its rows come last. Measured against the true K/V error
+    oracle in benchmarks/blend (RESULTS.md)."""
+
+    name: ClassVar[str] = "starts"
+
+    def schedule(self, req: SelectionRequest) -> Schedule:
+        if req.ratio == 0.0 or req.chunk_len == 0:
+            return Schedule(torch.arange(0), {})
+        n = req.keep(req.ratio)
+        # rank = (exact lead chunk last, offset in its chunk, chunk): the budget spreads evenly over the chunks
+        rows, rank = [], []
+        for i, (first, size) in enumerate(req.chunk_bounds):
+            offsets = torch.arange(size)
+            rows.append(offsets + first)
+            last = int(i == 0 and req.lead)
+            rank.append((last * req.chunk_len + offsets) * len(req.chunk_bounds) + i)
+        order = torch.argsort(torch.cat(rank))
+        return Schedule(torch.cat(rows)[order[:n]].sort().values, {})
+
+
 SELECTORS: dict[str, type[Selector]] = {
     DeviationSelector.name: DeviationSelector,
     QuerySelector.name: QuerySelector,
     HybridSelector.name: HybridSelector,
+    StartsSelector.name: StartsSelector,
 }
 
 
