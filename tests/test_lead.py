@@ -166,6 +166,7 @@ def test_selectors_are_told_when_the_first_chunk_is_its_lead_entry():
     engine(model, old, lead=False).prefill_prompt(prompt, ratio=0)  # a store written without lead entries
     for store, lead in ((MemoryStore(), True), (old, False)):
         eng = BlendEngine(model, None, store, BlendConfig(selector=Spy(), pipelined=False), template=TEMPLATE)
+        assert eng.sink_ids == prompt.prefix_ids  # (the template sink: a lead entry is exact)
         eng.prefill_prompt(prompt, ratio=0)  # (the store now holds what this reader needs)
         res = eng.prefill_prompt(prompt, ratio=0.5)
         assert seen[-1] is lead and res.stats.lead is lead
@@ -173,3 +174,21 @@ def test_selectors_are_told_when_the_first_chunk_is_its_lead_entry():
         # 20 of the 40 chunk tokens: the whole second chunk behind an exact lead chunk, else 10 of each
         expected = [*range(P + 20, P + 40)] if lead else [*range(P, P + 10), *range(P + 20, P + 30)]
         assert res.selected.tolist() == expected
+
+
+def test_a_lead_entry_behind_a_shorter_sink_is_not_called_exact():
+    """Under sink='bos' a lead entry sat behind the prefix's first token only: not full prefill's K/V,
+    so selectors are not told the first chunk is exact."""
+    seen = []
+
+    class Spy(StartsSelector):
+        def schedule(self, req):
+            seen.append(req.lead)
+            return super().schedule(req)
+
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=7, sizes=(20, 20))
+    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=Spy(), pipelined=False), template=TEMPLATE,
+                      policy=PrecomputePolicy(sink="bos"))
+    res = eng.prefill_prompt(prompt, ratio=0.5)
+    assert res.stats.lead and seen == [False]

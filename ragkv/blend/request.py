@@ -45,8 +45,11 @@ class BlendRequest:
         a = self.adapter = engine.adapter
         self.P, self.C, self.T = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids)), prompt.num_tokens
         chunk_rows = [(s.start - self.P, len(s.ids)) for s in segments if not s.is_prefix]
+        # the first chunk is exact when read from its lead entry and that was prefilled behind this very
+        # prefix (the template sink; under sink 'bos'/'none' it sat behind less)
+        exact_first = any(s.lead for s in segments) and list(prompt.prefix_ids) == list(engine.sink_ids)
         self.selection = SelectionRequest(self.P, self.C, self.T, tuple(chunk_rows), ratio, a.num_layers,
-                                          a.num_kv_heads, lead=any(s.lead for s in segments))
+                                          a.num_kv_heads, lead=exact_first)
         self.positions = torch.arange(self.T, device=a.device)
         self.cache = FusedCache(a, self.T)
         self.calls = LayerCalls(a, self.T)

@@ -42,7 +42,7 @@ class SelectionRequest:
     ratio: float  # fraction of chunk rows recomputed after selection (resolved, not "auto")
     num_layers: int
     kv_heads: int = 1
-    lead: bool = False  # the first chunk's K/V are its lead entry: exactly full prefill's (PrecomputePolicy.lead)
+    lead: bool = False  # the first chunk's K/V are exactly full prefill's: its lead entry, prefilled behind this prefix
     # probe(observe): runs the suffix alone through every layer over the fused stored K/V, calling
     # observe(layer, probs [Hq, S, T], values [Hkv, T, D]) with its attention (and the values it
     # weights) in each; the engine keeps what it loaded
