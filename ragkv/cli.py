@@ -126,17 +126,14 @@ def _engine(model_name: str, model_dtype: str, store, config=None, sink="templat
             storage=None, context=None, lead=None):
     """The BlendEngine every command builds from its options (model errors are clear, not tracebacks)."""
     from ragkv import models
-    from ragkv.policy import PrecomputePolicy
     from ragkv.writer import EngineSpec
 
-    context = PrecomputePolicy.context if context is None else context
-    lead = PrecomputePolicy.lead if lead is None else lead
+    given = {name: v for name, v in (("context", context), ("lead", lead)) if v is not None}  # else the policy's
+    spec = EngineSpec(model_name, model_dtype, sink=sink, gap=gap, namespace=namespace, storage=storage, **given)
     try:
-        PrecomputePolicy(sink, gap, context, lead)
+        spec.policy()  # (checked before the model loads)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    spec = EngineSpec(model_name, model_dtype, sink=sink, gap=gap, context=context, lead=lead, namespace=namespace,
-                      storage=storage)
     try:
         return spec.build(store, config)
     except models.ModelNotFoundError as e:

@@ -3,6 +3,8 @@ prompt's first chunk; a store without them serves the gap entry instead."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from blend_testlib import TEMPLATE, make_prompt
 
@@ -150,26 +152,31 @@ def test_gap_zero_needs_no_lead_entry(tiny_smollm2):
     assert res.stats.hits == len(chunks) and res.stats.misses == 0 and not res.stats.lead
 
 
+@dataclass(frozen=True)
+class LeadSpy(StartsSelector):
+    """`starts`, recording what each request told it in SelectionRequest.lead."""
+
+    seen: list = field(default_factory=list, compare=False)
+
+    def schedule(self, req):
+        self.seen.append(req.lead)
+        return super().schedule(req)
+
+
 def test_selectors_are_told_when_the_first_chunk_is_its_lead_entry():
     """SelectionRequest.lead: True when the first chunk was read (or computed) as its lead entry, False
     when a store without lead entries served its gap entry; `starts` then spends nothing on it."""
-    seen = []
-
-    class Spy(StartsSelector):
-        def schedule(self, req):
-            seen.append(req.lead)
-            return super().schedule(req)
-
+    spy = LeadSpy()
     model = models.tiny_model("llama")
     prompt = make_prompt(seed=7, sizes=(20, 20))
     old = MemoryStore()
     engine(model, old, lead=False).prefill_prompt(prompt, ratio=0)  # a store written without lead entries
     for store, lead in ((MemoryStore(), True), (old, False)):
-        eng = BlendEngine(model, None, store, BlendConfig(selector=Spy(), pipelined=False), template=TEMPLATE)
+        eng = BlendEngine(model, None, store, BlendConfig(selector=spy, pipelined=False), template=TEMPLATE)
         assert eng.sink_ids == prompt.prefix_ids  # (the template sink: a lead entry is exact)
         eng.prefill_prompt(prompt, ratio=0)  # (the store now holds what this reader needs)
         res = eng.prefill_prompt(prompt, ratio=0.5)
-        assert seen[-1] is lead and res.stats.lead is lead
+        assert spy.seen[-1] is lead and res.stats.lead is lead
         P = len(prompt.prefix_ids)
         # 20 of the 40 chunk tokens: the whole second chunk behind an exact lead chunk, else 10 of each
         expected = [*range(P + 20, P + 40)] if lead else [*range(P, P + 10), *range(P + 20, P + 30)]
@@ -179,16 +186,10 @@ def test_selectors_are_told_when_the_first_chunk_is_its_lead_entry():
 def test_a_lead_entry_behind_a_shorter_sink_is_not_called_exact():
     """Under sink='bos' a lead entry sat behind the prefix's first token only: not full prefill's K/V,
     so selectors are not told the first chunk is exact."""
-    seen = []
-
-    class Spy(StartsSelector):
-        def schedule(self, req):
-            seen.append(req.lead)
-            return super().schedule(req)
-
+    spy = LeadSpy()
     model = models.tiny_model("llama")
     prompt = make_prompt(seed=7, sizes=(20, 20))
-    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=Spy(), pipelined=False), template=TEMPLATE,
+    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=spy, pipelined=False), template=TEMPLATE,
                       policy=PrecomputePolicy(sink="bos"))
     res = eng.prefill_prompt(prompt, ratio=0.5)
-    assert res.stats.lead and seen == [False]
+    assert res.stats.lead and spy.seen == [False]

@@ -186,15 +186,16 @@ class BlendEngine:
         entry too, as the precompute job writes them); return (the chunks' keys, number of chunks
         with an entry computed)."""
         chunks = self.template.chunks(contexts, self.adapter.max_positions)
-        missing, computed = [], 0
+        keys, missing, computed = [], [], 0
         for ids in chunks:
-            segs = [Segment(key, ids, 0, lead=kind == "lead") for key, kind in self.entry_keys(ids)
-                    if not self.store.contains(key)]
+            entries = self.entry_keys(ids)  # (the chunk entry first)
+            keys.append(entries[0][0])
+            segs = [Segment(key, ids, 0, lead=kind == "lead") for key, kind in entries if not self.store.contains(key)]
             missing += segs
             computed += bool(segs)
         if missing:
             self.compute_and_store(missing, pool=chunks)
-        return [self.chunk_key(ids) for ids in chunks], computed
+        return keys, computed
 
     # ------------------------------------------------------------------ the read path
 
