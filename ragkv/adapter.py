@@ -46,11 +46,18 @@ class _CacheShim:
     """The cache duck type transformers' attention modules call (``update(k, v, layer_idx, ...)``),
     forwarding to ragkv's side of it: ``target.update(layer_idx, k, v) -> (K, V)`` to attend over."""
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, stop: bool = False):
+        self.target, self.stop = target, stop
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return self.target.update(layer_idx, key_states, value_states)
+        out = self.target.update(layer_idx, key_states, value_states)
+        if self.stop:  # ModelAdapter.layer_kv: the rest of the layer is not wanted
+            raise _KVWritten
+        return out
+
+
+class _KVWritten(Exception):  # control flow: never escapes ModelAdapter.layer_kv
+    """Raised by the cache shim right after a layer wrote its K/V, to stop that layer there."""
 
 
 _routers: set[str] = set()
@@ -216,6 +223,22 @@ class ModelAdapter:
         with self._routed(attention, kwargs):
             return body.layers[li](hidden, attention_mask=attention_mask, position_ids=pos,
                                    position_embeddings=body.rotary_emb(hidden, pos), **kwargs)
+
+    def layer_kv(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, cache) -> None:
+        """Only the K/V of decoder layer ``li`` for ``hidden`` [1, n, hidden] at ``positions`` [n]:
+        handed to ``cache.update(li, k, v)`` as ``run_layer`` would, and the layer stops there (no
+        attention, output projection or MLP). A caller that needs every row's K/V of a layer but
+        that layer's output for only some rows runs this over all of them, then ``run_layer`` over
+        the rows it keeps. Raises UnsupportedModelError if the layer finished without writing K/V."""
+        body = self.model.model
+        pos = positions[None]
+        try:
+            body.layers[li](hidden, attention_mask=None, position_ids=pos, position_embeddings=body.rotary_emb(hidden, pos),
+                            **{self.cache_kw: _CacheShim(cache, stop=True), "use_cache": True})
+        except _KVWritten:
+            return
+        raise UnsupportedModelError(f"layer {li} of {type(self.model).__name__} ran to the end without writing its K/V "
+                                    "to the cache it was given")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [vocab] fp32 of the last row of ``hidden`` [1, n, hidden]."""

@@ -247,11 +247,13 @@ def test_suffix_is_active_in_every_layer_and_selection_has_the_ratio(monkeypatch
     counts = {}
     for li, active in seen:
         assert suffix <= set(active.tolist()), f"layer {li} skipped suffix tokens"
-        counts[li] = int(((active >= P) & (active < P + C)).sum())
-        if li > 2:  # the exact prefix is never recomputed after the check layers
+        counts.setdefault(li, []).append(int(((active >= P) & (active < P + C)).sum()))
+        if li > 1 or len(counts[li]) > 1:  # the exact prefix is not recomputed once the first check narrowed
             assert int((active < P).sum()) == 0
-    # layers 0..2 compute every chunk token; gradual filtering keeps 60% after layer 1, 20% after layer 2
-    assert counts[0] == counts[1] == C and counts[2] == math.ceil(0.6 * C) and counts[3] == math.ceil(0.2 * C)
+    # layer 0 computes every chunk token; a check layer writes the K/V of every active row, then runs
+    # only the kept ones: 60% of the chunk after layer 1's check, 20% after layer 2's
+    keep1, keep2 = math.ceil(0.6 * C), math.ceil(0.2 * C)
+    assert counts[0] == [C] and counts[1] == [C, keep1] and counts[2] == [keep1, keep2] and counts[3] == [keep2]
     assert res.stats.recomputed_tokens == math.ceil(0.2 * C)
     assert res.selected.numel() == math.ceil(0.2 * C) and (res.selected < T - S).all()
 
@@ -285,6 +287,63 @@ def test_unsupported_architectures_are_refused_clearly():
     with pytest.raises(UnsupportedModelError, match="partial rotary"):
         ModelAdapter.of(models.tiny_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                                      "partial_rotary_factor": 0.5}))
+
+
+class _KVRecorder:
+    """The cache contract's ragkv side, recording the K/V each layer writes; attends over them only."""
+
+    def __init__(self):
+        self.written = []
+
+    def update(self, li, k, v):
+        self.written.append((li, k.clone(), v.clone()))
+        return k, v
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_layer_kv_writes_the_layers_kv_and_runs_nothing_after_it(attn):
+    model = models.tiny_model("llama", attn_implementation=attn)
+    a = ModelAdapter.of(model)
+    hidden = torch.randn(1, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([0, 2, 3, 7, 8, 11, 12, 13, 20])
+    mlp_calls = []
+    model.model.layers[1].mlp.register_forward_hook(lambda *_: mlp_calls.append(1))
+    full, only = _KVRecorder(), _KVRecorder()
+    with torch.no_grad():
+        a.run_layer(1, hidden, pos, full, attention_mask=attention_mod.causal_mask_by_position(pos, 21, torch.float32)[..., pos])
+        assert a.layer_kv(1, hidden, pos, only) is None
+    assert len(mlp_calls) == 1  # run_layer's; layer_kv stopped at the cache write
+    ((li, k, v),), ((li2, k2, v2),) = full.written, only.written
+    assert li == li2 == 1
+    torch.testing.assert_close(k2, k, rtol=0, atol=0)
+    torch.testing.assert_close(v2, v, rtol=0, atol=0)
+    model.model.layers[1].self_attn.forward = lambda hidden_states, *args, **kw: (hidden_states, None)  # writes no K/V
+    with pytest.raises(UnsupportedModelError, match="layer 1 of LlamaForCausalLM ran to the end without writing its K/V"):
+        a.layer_kv(1, hidden, pos, _KVRecorder())
+
+
+def test_check_layers_give_what_running_the_whole_layer_over_every_active_row_gives(monkeypatch):
+    """A check layer runs only the K/V of the rows it then drops (ModelAdapter.layer_kv): the result
+    equals running the whole layer over every active row and narrowing after it."""
+    from ragkv.blend.attention import position_attention
+
+    model = models.tiny_model("llama")
+    prompt = make_prompt(seed=13, sizes=(30, 25, 35))
+    eng = engine(model, check_layers=(1, 2), first_ratio=0.5)
+    eng.prefill_prompt(prompt)  # stores the chunks
+    narrowed = eng.prefill_prompt(prompt, ratio=0.2)
+    a = eng.adapter
+
+    def whole_layer(li, hidden, positions, cache):  # what a check layer did before layer_kv
+        a.run_layer(li, hidden, positions, cache, attention=position_attention, ragkv_q_pos=positions)
+
+    monkeypatch.setattr(a, "layer_kv", whole_layer)
+    whole = eng.prefill_prompt(prompt, ratio=0.2)
+    assert narrowed.selected.tolist() == whole.selected.tolist()
+    torch.testing.assert_close(narrowed.logits, whole.logits, rtol=1e-5, atol=1e-5)
+    for got, want in zip(narrowed.cache.layers, whole.cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_are_clear_errors():

@@ -7,11 +7,13 @@
     per layer li:
         fuse      stored K/V of every segment not entirely recomputed in this layer (or scored
                   here), re-rotated to its prompt positions (ragkv.blend.cache)
+        narrow    at a check layer, the K/V of every active row first (ModelAdapter.layer_kv), scored
+                  against the stored ones; the chunk rows the selector scores highest are kept and
+                  only they (with the suffix) run the rest of that layer and the next ones
         compute   the decoder layer over the active rows: the chosen chunk tokens + the suffix
                   (+ the prefix while every chunk token is active and the kernel takes is_causal,
                   so those layers run as a plain causal prefill); attention causal by original
                   position (ragkv.blend.attention)
-        narrow    at a check layer, keep the chunk rows the selector scores highest
     handoff   logits of the last token, and the fused cache minus its last position
 
 A stored layer that fails to arrive (vanished, corrupt, store error, timeout) makes that segment
@@ -128,19 +130,28 @@ class BlendRequest:
         tc = time.perf_counter()
         cache, active = self.cache, self.active
         cache.active = active
-        chunk = (active >= self.P) & (active < self.P + self.C)
         if li in schedule.checks:
-            cache.scorer = (schedule.score, torch.nonzero(chunk).flatten())
+            hidden, active = self._narrow(li, hidden, schedule.score, schedule.checks[li])
         hidden = self.adapter.run_layer(li, hidden, active, cache, **self.calls(active))
-        if li in schedule.checks:
-            score_rows = cache.scorer[1]
-            top = ops.select_topk(cache.scores, schedule.checks[li])
-            keep = torch.cat([score_rows[top], torch.nonzero(active >= self.P + self.C).flatten()]).sort().values
-            self._set_active(active[keep])  # (prefix rows, active only in whole-prompt layers, drop out)
-            hidden = hidden[:, keep]
-            cache.scorer = cache.scores = None
         self.stats.t_compute += time.perf_counter() - tc
         return hidden
+
+    def _narrow(self, li: int, hidden: torch.Tensor, score, keep_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check layer li: every active row's K/V (only that much of the layer), scored against the
+        stored K/V and scattered; the ``keep_rows`` chunk rows scored highest and the suffix stay
+        active and run the rest of the layer. -> (their hidden states, the new active positions)."""
+        cache, active = self.cache, self.active
+        score_rows = torch.nonzero((active >= self.P) & (active < self.P + self.C)).flatten()
+        if keep_rows >= score_rows.numel():  # nothing to drop
+            return hidden, active
+        cache.scorer = (score, score_rows)
+        self.adapter.layer_kv(li, hidden, active, cache)
+        top = ops.select_topk(cache.scores, keep_rows)
+        keep = torch.cat([score_rows[top], torch.nonzero(active >= self.P + self.C).flatten()]).sort().values
+        cache.scorer = cache.scores = None
+        self._set_active(active[keep])  # (prefix rows, active only in whole-prompt layers, drop out)
+        cache.active = self.active
+        return hidden[:, keep], self.active
 
     # ------------------------------------------------------------------ helpers
 
