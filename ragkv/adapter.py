@@ -217,12 +217,7 @@ class ModelAdapter:
         n rows and returns the K/V to attend over. ``attention``: an HF-signature attention function
         used for this call only (with ``attention_kwargs`` passed to it); None = the model's own, with
         ``attention_mask`` (None = causal over the n rows, the implementation's is_causal path)."""
-        body = self.model.model
-        pos = positions[None]
-        kwargs = {self.cache_kw: _CacheShim(cache), "use_cache": True, **attention_kwargs}
-        with self._routed(attention, kwargs):
-            return body.layers[li](hidden, attention_mask=attention_mask, position_ids=pos,
-                                   position_embeddings=body.rotary_emb(hidden, pos), **kwargs)
+        return self._call_layer(li, hidden, positions, _CacheShim(cache), attention_mask, attention, attention_kwargs)
 
     def layer_kv(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, cache) -> None:
         """Only the K/V of decoder layer ``li`` for ``hidden`` [1, n, hidden] at ``positions`` [n]:
@@ -230,15 +225,21 @@ class ModelAdapter:
         attention, output projection or MLP). A caller that needs every row's K/V of a layer but
         that layer's output for only some rows runs this over all of them, then ``run_layer`` over
         the rows it keeps. Raises UnsupportedModelError if the layer finished without writing K/V."""
-        body = self.model.model
-        pos = positions[None]
         try:
-            body.layers[li](hidden, attention_mask=None, position_ids=pos, position_embeddings=body.rotary_emb(hidden, pos),
-                            **{self.cache_kw: _CacheShim(cache, stop=True), "use_cache": True})
+            self._call_layer(li, hidden, positions, _CacheShim(cache, stop=True), None, None, {})
         except _KVWritten:
             return
         raise UnsupportedModelError(f"layer {li} of {type(self.model).__name__} ran to the end without writing its K/V "
                                     "to the cache it was given")
+
+    def _call_layer(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, shim: _CacheShim,
+                    attention_mask: torch.Tensor | None, attention: Callable | None, attention_kwargs: dict):
+        body = self.model.model
+        pos = positions[None]
+        kwargs = {self.cache_kw: shim, "use_cache": True, **attention_kwargs}
+        with self._routed(attention, kwargs):
+            return body.layers[li](hidden, attention_mask=attention_mask, position_ids=pos,
+                                   position_embeddings=body.rotary_emb(hidden, pos), **kwargs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [vocab] fp32 of the last row of ``hidden`` [1, n, hidden]."""

@@ -128,30 +128,28 @@ class BlendRequest:
         if self.cache.keys[li] is None:  # (a probe fused it already)
             self._fuse(li, loaded, schedule.checks)
         tc = time.perf_counter()
-        cache, active = self.cache, self.active
-        cache.active = active
         if li in schedule.checks:
-            hidden, active = self._narrow(li, hidden, schedule.score, schedule.checks[li])
-        hidden = self.adapter.run_layer(li, hidden, active, cache, **self.calls(active))
+            hidden = self._narrow(li, hidden, schedule.score, schedule.checks[li])
+        active = self.cache.active = self.active
+        hidden = self.adapter.run_layer(li, hidden, active, self.cache, **self.calls(active))
         self.stats.t_compute += time.perf_counter() - tc
         return hidden
 
-    def _narrow(self, li: int, hidden: torch.Tensor, score, keep_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _narrow(self, li: int, hidden: torch.Tensor, score, keep_rows: int) -> torch.Tensor:
         """Check layer li: every active row's K/V (only that much of the layer), scored against the
         stored K/V and scattered; the ``keep_rows`` chunk rows scored highest and the suffix stay
-        active and run the rest of the layer. -> (their hidden states, the new active positions)."""
+        active (``self.active``) and run the rest of the layer. -> their hidden states."""
         cache, active = self.cache, self.active
         score_rows = torch.nonzero((active >= self.P) & (active < self.P + self.C)).flatten()
         if keep_rows >= score_rows.numel():  # nothing to drop
-            return hidden, active
-        cache.scorer = (score, score_rows)
+            return hidden
+        cache.active, cache.scorer = active, (score, score_rows)
         self.adapter.layer_kv(li, hidden, active, cache)
         top = ops.select_topk(cache.scores, keep_rows)
         keep = torch.cat([score_rows[top], torch.nonzero(active >= self.P + self.C).flatten()]).sort().values
         cache.scorer = cache.scores = None
         self._set_active(active[keep])  # (prefix rows, active only in whole-prompt layers, drop out)
-        cache.active = self.active
-        return hidden[:, keep], self.active
+        return hidden[:, keep]
 
     # ------------------------------------------------------------------ helpers
 
