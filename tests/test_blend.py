@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -594,7 +595,7 @@ def test_query_selector_picks_what_the_question_attends_to():
     model = models.tiny_model("llama", attn_implementation="eager")
     prompt = make_prompt(seed=37, sizes=(30, 25, 35))
     P, C = len(prompt.prefix_ids), 90
-    sel = QuerySelector()
+    sel = QuerySelector(rows=None, starts=0.0)  # the attention alone, every suffix row
     eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=sel), template=TEMPLATE)
     _store_exact_caches(eng, model, prompt)
     with torch.no_grad():
@@ -619,7 +620,8 @@ def test_value_norm_weights_the_question_attention_by_each_value():
     model = models.tiny_model("llama", attn_implementation="eager")
     prompt = make_prompt(seed=37, sizes=(30, 25, 35))
     P, C, S = len(prompt.prefix_ids), 90, len(prompt.suffix_ids)
-    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=QuerySelector(value_norm=True)), template=TEMPLATE)
+    sel = QuerySelector(rows=None, starts=0.0, value_norm=True)
+    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=sel), template=TEMPLATE)
     _store_exact_caches(eng, model, prompt)
     with torch.no_grad():
         out = model(torch.tensor([prompt.input_ids]), output_attentions=True, use_cache=True)
@@ -632,8 +634,34 @@ def test_value_norm_weights_the_question_attention_by_each_value():
         score += a / a.sum()
     res = eng.prefill_prompt(prompt, ratio=0.1)
     assert set(res.selected.tolist()) == set((torch.topk(score, 9).indices + P).tolist())
-    plain = BlendEngine(model, None, eng.store, BlendConfig(selector=QuerySelector()), template=TEMPLATE)
+    plain = BlendEngine(model, None, eng.store, BlendConfig(selector=replace(sel, value_norm=False)), template=TEMPLATE)
     assert set(plain.prefill_prompt(prompt, ratio=0.1).selected.tolist()) != set(res.selected.tolist())
+
+
+def test_query_starts_weights_the_question_attention_by_each_tokens_offset_in_its_chunk():
+    """starts=b multiplies a token's attention score by (1 + offset in its chunk) ** -b: with even
+    attention the chunks' first tokens win; a token the question reads much more still wins; an
+    exact lead chunk (its stored K/V are full prefill's) ranks last whatever it is given."""
+    def selected(attention, starts, lead=False, ratio=2 / 8):
+        att = torch.tensor(attention)
+        req = SelectionRequest(prefix_len=0, chunk_len=8, total=9, chunk_bounds=((0, 4), (4, 4)), ratio=ratio,
+                               num_layers=2, lead=lead,
+                               probe=lambda observe, layers=None: [observe(li, att.view(1, 1, 8), torch.zeros(1, 8, 2))
+                                                                   for li in range(2)])
+        return QuerySelector(rows=None, starts=starts).schedule(req).start.tolist()
+
+    even = [1.0] * 8
+    assert selected(even, starts=1.0) == [0, 4]
+    assert selected(even, starts=1.0, lead=True) == [4, 5]
+    read = [2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.5, 1.0]  # row 6 (offset 2): 3.5 / 3 beats row 4's 1 / 1
+    assert selected(read, starts=1.0) == [0, 6]
+    assert selected(read, starts=2.0) == [0, 4]  # 3.5 / 9 no longer does
+    assert selected(read, starts=0.0, ratio=1 / 8) == [6]  # attention alone
+    lead_read = [9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert selected(lead_read, starts=0.0, lead=True, ratio=4 / 8) == [4, 5, 6, 7]  # exact rows last, prior or not
+    for bad in (-1.0, True, "1", float("inf")):
+        with pytest.raises(ValueError, match="starts must be a number >= 0"):
+            QuerySelector(starts=bad)
 
 
 def test_starts_recomputes_the_first_tokens_of_every_chunk_evenly():

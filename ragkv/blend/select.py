@@ -56,6 +56,18 @@ class SelectionRequest:
         """Rows kept at ``fraction`` of the chunk tokens: ceil(fraction * C)."""
         return min(self.chunk_len, math.ceil(fraction * self.chunk_len - 1e-9))
 
+    def chunk_offsets(self) -> torch.Tensor:
+        """[C] int64: each chunk row's offset in its own chunk (0 at every chunk's first token)."""
+        out = torch.zeros(self.chunk_len, dtype=torch.long)
+        for first, n in self.chunk_bounds:
+            out[first : first + n] = torch.arange(n)
+        return out
+
+    def exact_rows(self) -> int:
+        """Chunk rows 0..n-1 whose stored K/V are already full prefill's (the first chunk read from
+        its lead entry): recomputing them changes nothing."""
+        return self.chunk_bounds[0][1] if self.lead and self.chunk_bounds else 0
+
 
 @dataclass
 class Schedule:
@@ -155,10 +167,15 @@ class QuerySelector(Selector):
     every chunk token in the first ``full_layers`` layers (as CacheBlend does before its check
     layer), the selected ones after. value_norm: weight each token's attention by the norm of its
     value (what it adds to the suffix's output, not only how much it is looked at: attention sinks
-    are looked at a lot and carry near-zero values)."""
+    are looked at a lot and carry near-zero values). starts: also weight each token by where its
+    stored K/V are stale: its score is multiplied by (1 + its offset in its chunk) ** -starts (0: off).
+    A chunk's stored K/V were computed behind other text than its predecessors in this prompt, and
+    its first tokens, which saw only that text, differ most (``StartsSelector``): the product ranks
+    the tokens that the question reads *and* that are wrong. A first chunk read from its lead entry
+    is exact: its tokens rank last whatever their score."""
 
     name: ClassVar[str] = "query"
-    rows: int | None = None
+    rows: int | None = 8  # rows=8 and starts=1: measured on the dev split (benchmarks/blend)
     heads: str = "mean"
     skip_layers: int = 0
     depth: int | None = None
@@ -167,6 +184,7 @@ class QuerySelector(Selector):
     normalize: bool = True
     full_layers: int = 0
     value_norm: bool = False
+    starts: float = 1.0
 
     def __post_init__(self):
         if self.heads not in ("mean", "max"):
@@ -178,6 +196,8 @@ class QuerySelector(Selector):
             raise ValueError(f"rows must be >= 1 or None, got {self.rows}")
         if self.depth is not None and self.depth < 1:
             raise ValueError(f"depth must be >= 1 or None, got {self.depth}")
+        if isinstance(self.starts, bool) or not isinstance(self.starts, (int, float)) or not 0 <= self.starts < math.inf:
+            raise ValueError(f"starts must be a number >= 0, got {self.starts!r}")
 
     def check(self, num_layers: int) -> None:
         depth = num_layers if self.depth is None else self.depth
@@ -229,6 +249,11 @@ class QuerySelector(Selector):
         if self.smooth:
             w = 2 * self.smooth + 1
             score = torch.nn.functional.max_pool1d(score[None, None], w, stride=1, padding=self.smooth)[0, 0]
+        if self.starts:
+            score = score * (1.0 + req.chunk_offsets().to(score.device, torch.float32)) ** -self.starts
+        exact = req.exact_rows()
+        if exact:  # (scores are >= 0: -1 ranks every exact row below every other)
+            score[:exact] = -1.0
         return score
 
 
@@ -254,7 +279,8 @@ class HybridSelector(Selector):
     widen: float = 3.0  # widen, check_layer, fuse: measured on the dev split (benchmarks/blend)
     check_layer: int = 2
     fuse: str = "product"
-    query: QuerySelector = field(default_factory=QuerySelector)
+    # (the prior it was measured with: every suffix row's attention, no offset weighting)
+    query: QuerySelector = field(default_factory=lambda: QuerySelector(rows=None, starts=0.0))
     deviation: DeviationSelector = field(default_factory=DeviationSelector)
 
     def __post_init__(self):
@@ -305,16 +331,12 @@ class StartsSelector(Selector):
     def schedule(self, req: SelectionRequest) -> Schedule:
         if req.ratio == 0.0 or req.chunk_len == 0:
             return Schedule(torch.arange(0), {})
-        n = req.keep(req.ratio)
+        n, k = req.keep(req.ratio), len(req.chunk_bounds)
         # rank = (exact lead chunk last, offset in its chunk, chunk): the budget spreads evenly over the chunks
-        rows, rank = [], []
-        for i, (first, size) in enumerate(req.chunk_bounds):
-            offsets = torch.arange(size)
-            rows.append(offsets + first)
-            last = int(i == 0 and req.lead)
-            rank.append((last * req.chunk_len + offsets) * len(req.chunk_bounds) + i)
-        order = torch.argsort(torch.cat(rank))
-        return Schedule(torch.cat(rows)[order[:n]].sort().values, {})
+        chunk = torch.repeat_interleave(torch.arange(k), torch.tensor([size for _, size in req.chunk_bounds]))
+        last = (torch.arange(req.chunk_len) < req.exact_rows()).long()
+        rank = (last * req.chunk_len + req.chunk_offsets()) * k + chunk
+        return Schedule(torch.argsort(rank)[:n].sort().values, {})
 
 
 SELECTORS: dict[str, type[Selector]] = {
