@@ -363,8 +363,9 @@ def _selectors(names: str, signal: str, check_layers: str | None) -> list:
 @click.option("--store", "store_uris", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
 @click.option("--ratios", default="0,0.15,0.3,1", show_default=True,
               help="Comma-separated recompute ratios; 'auto' = the loading controller's choice.")
-@click.option("--selectors", default="deviation", show_default=True,
-              help="Comma-separated selection strategies, measured side by side.")
+@click.option("--selectors", default="deviation", show_default=True,  # (ragkv.blend.config.DEFAULT_SELECTOR)
+              help="Comma-separated selection strategies, measured side by side (deviation, query, hybrid, "
+                   "starts).")
 @click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True,
               help="deviation selector: which deviation scores tokens.")
 @click.option("--check-layers", default=None, help="deviation selector: check layers (default: 1,3,6 gradual).")

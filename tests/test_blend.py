@@ -719,6 +719,19 @@ def test_query_probe_reads_each_stored_layer_once(monkeypatch):
     assert res.stats.hits == 3 and len(layer_reads) == len(set(layer_reads)) == 4 * model.config.num_hidden_layers
 
 
+def test_every_entry_point_defaults_to_the_engines_selector():
+    """BlendConfig, `ragkv eval`, `ragkv serve` and the vLLM connector share one default selector."""
+    from ragkv.blend.config import DEFAULT_SELECTOR
+    from ragkv.cli import eval_cmd
+    from ragkv.integrations.serve.cli import serve
+    from ragkv.integrations.vllm.engines import ConnectorSettings
+
+    assert isinstance(BlendConfig().selector, SELECTORS[DEFAULT_SELECTOR])
+    assert next(p.default for p in eval_cmd.params if p.name == "selectors") == DEFAULT_SELECTOR
+    assert next(p.default for p in serve.params if p.name == "selector") == DEFAULT_SELECTOR
+    assert ConnectorSettings(store="memory://").selector == DEFAULT_SELECTOR
+
+
 def test_selectors_are_chosen_by_name_and_unknown_names_are_refused():
     assert isinstance(BlendConfig(selector="query").selector, QuerySelector)
     with pytest.raises(ValueError, match="unknown selector 'psychic'; valid: deviation, query, hybrid"):

@@ -33,7 +33,7 @@ def _ratio(ctx, param, value: str):
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--ratio", default="0.15", show_default=True, callback=_ratio,
               help="fraction of reused chunk tokens recomputed: 0..1 (1 = full prefill) or 'auto'")
-@click.option("--selector", default="deviation", show_default=True,
+@click.option("--selector", default="deviation", show_default=True,  # (ragkv.blend.config.DEFAULT_SELECTOR)
               help="which chunk tokens are recomputed (deviation, query, hybrid, starts)")
 @click.option("--max-queue", default=32, show_default=True, type=click.IntRange(1, None),
               help="requests admitted at once (running or waiting); more get 429 + Retry-After")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ragkv.blend import BlendConfig, BlendEngine
+from ragkv.blend.config import DEFAULT_SELECTOR
 from ragkv.store import open_store
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -27,7 +28,7 @@ class ConnectorSettings:
 
     store: str
     ratio: float | str = 0.15
-    selector: str = "deviation"
+    selector: str = DEFAULT_SELECTOR
     namespace: str = ""
     min_hit_fraction: float = 1.0  # share of chunk tokens that must be stored to offer the K/V
     write_back: bool = True  # prefill and store the chunks of prompts vLLM prefilled itself

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ragkv.blend.select import DeviationSelector, Selector, make_selector
 
 DEFAULT_RATIO = 0.15
+DEFAULT_SELECTOR = "deviation"  # measured in benchmarks/blend (RESULTS.md)
 DEFAULT_RATIO_FLOOR = 0.15  # the quality floor of ratio="auto"
 
 
@@ -31,7 +32,7 @@ class BlendConfig:
 
     ratio: float | str = DEFAULT_RATIO
     ratio_floor: float = DEFAULT_RATIO_FLOOR
-    selector: Selector | str = "deviation"
+    selector: Selector | str = DEFAULT_SELECTOR
     pipelined: bool = True
     load_timeout_s: float = 10.0
 
