@@ -595,7 +595,7 @@ def test_query_selector_picks_what_the_question_attends_to():
     model = models.tiny_model("llama", attn_implementation="eager")
     prompt = make_prompt(seed=37, sizes=(30, 25, 35))
     P, C = len(prompt.prefix_ids), 90
-    sel = QuerySelector(rows=None, starts=0.0)  # the attention alone, every suffix row
+    sel = QuerySelector.attention_only()
     eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=sel), template=TEMPLATE)
     _store_exact_caches(eng, model, prompt)
     with torch.no_grad():
@@ -620,7 +620,7 @@ def test_value_norm_weights_the_question_attention_by_each_value():
     model = models.tiny_model("llama", attn_implementation="eager")
     prompt = make_prompt(seed=37, sizes=(30, 25, 35))
     P, C, S = len(prompt.prefix_ids), 90, len(prompt.suffix_ids)
-    sel = QuerySelector(rows=None, starts=0.0, value_norm=True)
+    sel = QuerySelector.attention_only(value_norm=True)
     eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=sel), template=TEMPLATE)
     _store_exact_caches(eng, model, prompt)
     with torch.no_grad():

@@ -66,7 +66,7 @@ def exact_attention(engine: BlendEngine, prompt) -> torch.Tensor:
     are stored exactly (sliced out of a full prefill) in a private memory store, then probed."""
     a = engine.adapter
     store = open_store("memory://?max_bytes=4G")
-    probe = BlendEngine(engine.model, engine.tokenizer, store, BlendConfig(selector=QuerySelector(rows=None, starts=0.0)),
+    probe = BlendEngine(engine.model, engine.tokenizer, store, BlendConfig(selector=QuerySelector.attention_only()),
                         template=engine.template, policy=engine.policy, namespace="oracle")
     _, exact = a.forward(torch.tensor([prompt.input_ids], device=a.device))
     pieces = [(probe.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix-v1")]

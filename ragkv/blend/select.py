@@ -186,6 +186,12 @@ class QuerySelector(Selector):
     value_norm: bool = False
     starts: float = 1.0
 
+    @classmethod
+    def attention_only(cls, **settings) -> QuerySelector:
+        """The question's attention alone, over every suffix row, no offset prior: the setting that
+        ``hybrid`` and the benchmarks' exact-attention probe were measured with."""
+        return cls(rows=None, starts=0.0, **settings)
+
     def __post_init__(self):
         if self.heads not in ("mean", "max"):
             raise ValueError(f"heads must be 'mean' or 'max', got {self.heads!r}")
@@ -279,8 +285,8 @@ class HybridSelector(Selector):
     widen: float = 3.0  # widen, check_layer, fuse: measured on the dev split (benchmarks/blend)
     check_layer: int = 2
     fuse: str = "product"
-    # (the prior it was measured with: every suffix row's attention, no offset weighting)
-    query: QuerySelector = field(default_factory=lambda: QuerySelector(rows=None, starts=0.0))
+    # (measured without the offset prior; an exact lead chunk still ranks last in its preselection)
+    query: QuerySelector = field(default_factory=QuerySelector.attention_only)
     deviation: DeviationSelector = field(default_factory=DeviationSelector)
 
     def __post_init__(self):
