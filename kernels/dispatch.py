@@ -102,12 +102,25 @@ def rope_shift(
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     rotary_dim: int | None = None,
+    tables=None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Move cached keys k [kv_heads, T, D] (fp32/fp16/bf16, or int8 with fp32 `scale` [H, T, 1] or [H, 1, D])
     from position p to p + delta[t] (delta [T] int64), dequantizing to out_dtype (default k.dtype; required
     for int8). inv_freq [rotary_dim / 2] fp32 is the model's rotary_emb.inv_freq. A pure rotation: do not
-    apply attention_scaling again, the stored key already carries it. Returns [kv_heads, T, D]."""
-    return _impl("rope_shift", k.device)(k, delta, inv_freq, scale=scale, out_dtype=out_dtype, rotary_dim=rotary_dim)
+    apply attention_scaling again, the stored key already carries it. Returns [kv_heads, T, D]: ``out``
+    when given (``out=k`` rotates in place), else a new tensor.
+    tables: ``rope_tables(delta, inv_freq)`` for this delta (reused across calls with the same delta)."""
+    return _impl("rope_shift", k.device)(k, delta, inv_freq, scale=scale, out_dtype=out_dtype, rotary_dim=rotary_dim,
+                                         tables=tables, out=out)
+
+
+def rope_tables(delta: torch.Tensor, inv_freq: torch.Tensor):
+    """What ``rope_shift`` can reuse across calls with the same ``delta``: the CPU path's cos/sin
+    [T, R / 2] fp32; None where the kernel in use computes its own angles (Triton)."""
+    if resolve_backend("rope_shift", delta.device) != "torch":
+        return None
+    return _module("rope_shift").rope_tables(delta, inv_freq)
 
 
 def kv_deviation(
@@ -169,6 +182,7 @@ __all__ = [
     "kv_deviation",
     "resolve_backend",
     "rope_shift",
+    "rope_tables",
     "scatter_rows",
     "select_topk",
     "set_backend",

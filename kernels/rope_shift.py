@@ -5,7 +5,9 @@ Shapes (H = kv_heads, T = tokens, D = head_dim, R = rotary_dim <= D, R even):
     scale:     None, or fp32 broadcastable to [H, T, D]: per-token [H, T, 1] or per-channel [H, 1, D]
     delta:     [T] int64  new_position - old_position (may be negative)
     inv_freq:  [R / 2] fp32  exactly the model's `rotary_emb.inv_freq` (already scaled for linear/llama3/yarn)
-    out:       [H, T, D] out_dtype, contiguous
+    out:       [H, T, D] out_dtype, last dim contiguous (new, or the caller's ``out``; ``out=k`` rotates in place)
+    tables:    the torch path's (cos, sin) [T, R / 2] fp32 for this delta (``rope_tables``): a caller that
+               re-rotates the same positions many times (every layer of a blended request) builds them once
 
 Matches transformers' `apply_rotary_pos_emb` (NeoX rotate_half layout, cos/sin = cat(freqs, freqs)):
 RoPE is a rotation R(p), so a key stored at position p moves to p + d by applying R(d):
@@ -110,6 +112,24 @@ def _out_dtype(k, out_dtype):
     return k.dtype
 
 
+def _out(k, out_dtype, out):
+    """The output tensor: ``out`` checked against k's shape and the output dtype, else a new one."""
+    dtype = _out_dtype(k, out_dtype)
+    if out is None:
+        return torch.empty(k.shape, dtype=dtype, device=k.device)
+    assert out.shape == k.shape and out.dtype == dtype and out.stride(-1) == 1, (
+        f"out: {tuple(k.shape)} {dtype} with a contiguous last dim, got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
+def rope_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, R / 2] fp32 of the angles delta * inv_freq, computed in float64 once per distinct
+    delta (a chunk shares one) and rounded to fp32: what ``rope_shift_torch`` rotates by."""
+    uniq, which = torch.unique(delta, return_inverse=True)
+    theta = uniq.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # [U, R/2]
+    return theta.cos().to(torch.float32)[which], theta.sin().to(torch.float32)[which]
+
+
 def rope_shift_triton(
     k: torch.Tensor,
     delta: torch.Tensor,
@@ -118,9 +138,13 @@ def rope_shift_triton(
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     rotary_dim: int | None = None,
+    tables=None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    # (tables: the CPU path's cos/sin; the kernel computes its angles itself and needs none. In place
+    # is safe: each program loads a block's keys before it stores their rotation)
     H, T, D, half = _check(k, scale, delta, inv_freq, rotary_dim)
-    out = torch.empty((H, T, D), dtype=_out_dtype(k, out_dtype), device=k.device)
+    out = _out(k, out_dtype, out)
     if T == 0 or H == 0:
         return out
     inv_freq = inv_freq.to(torch.float32).contiguous()
@@ -155,24 +179,27 @@ def rope_shift_torch(
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     rotary_dim: int | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference (and the CPU path): dequantize to fp32, rotate by delta * inv_freq (angle and cos/sin in
-    float64, rounded to fp32), round once to the output dtype."""
-    H, T, D, half = _check(k, scale, delta, inv_freq, rotary_dim)
+    float64, rounded to fp32: ``rope_tables``, or the caller's ``tables`` for this delta), round once to
+    the output dtype."""
+    _, T, D, half = _check(k, scale, delta, inv_freq, rotary_dim)
+    cos, sin = rope_tables(delta, inv_freq) if tables is None else tables
+    assert cos.shape == sin.shape == (T, half), f"tables: [T, R/2]=({T}, {half}), got {tuple(cos.shape)}"
+    out = _out(k, out_dtype, out)
     x = k.to(torch.float32)
     if scale is not None:
         x = x * scale.to(torch.float32)
-    # a chunk shares one delta: the angles (float64) are computed once per distinct delta, then gathered
-    uniq, which = torch.unique(delta, return_inverse=True)
-    theta = uniq.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # [U, R/2]
-    cos, sin = theta.cos().to(torch.float32)[which], theta.sin().to(torch.float32)[which]  # [T, R/2]
     # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1), one half at a time (fewer passes
-    # over the keys than building rotate_half; the same fp32 products and sums)
+    # over the keys than building rotate_half; the same fp32 products and sums); both halves are
+    # computed before either is written, so out may be k itself
     x1, x2 = x[..., :half], x[..., half : 2 * half]
-    out = torch.empty((H, T, D), dtype=_out_dtype(k, out_dtype), device=k.device)
-    y = x1 * cos
-    out[..., :half] = y.sub_(x2 * sin)
-    y = x2 * cos
-    out[..., half : 2 * half] = y.add_(x1 * sin)
-    out[..., 2 * half :] = x[..., 2 * half :]
+    y1 = (x1 * cos).sub_(x2 * sin)
+    y2 = (x2 * cos).add_(x1 * sin)
+    out[..., :half] = y1
+    out[..., half : 2 * half] = y2
+    if 2 * half < D:
+        out[..., 2 * half :] = x[..., 2 * half :]
     return out

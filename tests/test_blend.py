@@ -245,6 +245,10 @@ def test_suffix_is_active_in_every_layer_and_selection_has_the_ratio(monkeypatch
     res = eng.prefill_prompt(prompt, ratio=0.2)
     T, S, C, P = prompt.num_tokens, len(prompt.suffix_ids), 100, len(prompt.prefix_ids)
     suffix = set(range(T - S, T))
+    last = eng.adapter.num_layers - 1
+    # the last layer writes every active row's K/V, then runs the rest of it for the last token only
+    assert [li for li, _ in seen].count(last) == 2 and seen[-1] == (last, torch.tensor([T - 1]))
+    seen.pop()
     counts = {}
     for li, active in seen:
         assert suffix <= set(active.tolist()), f"layer {li} skipped suffix tokens"
@@ -575,12 +579,13 @@ def test_probe_attention_is_causal_by_position_and_hands_out_its_probabilities(q
 
 def test_position_attention_plan_is_built_once_per_active_set(monkeypatch):
     """The CPU attention's blocks and masks depend on the active rows only: one plan per active set,
-    shared by every layer that runs it, and the blend is still exact."""
+    shared by every layer that runs it (+ one for the last layer's last token), and the blend is still
+    exact."""
     model = models.tiny_model("llama", attn_implementation="sdpa")
     prompt = make_prompt(seed=31, sizes=(23, 17, 30))
     built, real = [], ops.blend_attention_plan
     monkeypatch.setattr(ops, "blend_attention_plan", lambda q_pos, *a: built.append(q_pos) or real(q_pos, *a))
-    for selector, active_sets in ((QuerySelector(), 1), (DeviationSelector(check_layers=(0, 1)), 2)):
+    for selector, active_sets in ((QuerySelector(), 2), (DeviationSelector(check_layers=(0, 1)), 3)):
         eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=selector), template=TEMPLATE)
         _store_exact_caches(eng, model, prompt)
         built.clear()

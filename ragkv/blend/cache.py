@@ -50,6 +50,9 @@ class FusedCache:
         self.active: torch.Tensor | None = None  # [n] absolute positions of the rows being computed
         self.scorer = None  # set for a check layer: (score fn, rows of `active` to score)
         self.scores: torch.Tensor | None = None
+        # the re-rotation of the plain keys: the same deltas in every layer, so the per-token deltas
+        # and the kernel's tables are built once per request (per set of fused segments)
+        self._rotation: tuple | None = None  # (key, delta [hi - lo], tables)
 
     def fuse(self, li: int, parts: Sequence[tuple[Segment, StoredLayer | tuple]]) -> None:
         """Build layer li's fused K/V from (segment, its layer li) pairs: a StoredLayer read from the
@@ -82,13 +85,23 @@ class FusedCache:
                 dst_v.copy_(v.float() * v_scale.to(a.device))
             else:
                 dst_v.copy_(v)
-        if deltas:  # one rope_shift over the span: the chunks sit side by side, each with its own delta
+        if deltas:  # one rope_shift over the span, in place: the chunks sit side by side, each with its own delta
+            delta, tables = self._rotation_for(lo, hi, deltas)
+            span = k_all[0, :, lo:hi]
+            ops.rope_shift(span, delta, inv, out_dtype=a.dtype, tables=tables, out=span)
+        self.keys[li], self.values[li] = k_all, v_all
+
+    def _rotation_for(self, lo: int, hi: int, deltas: list[tuple[int, int, int]]):
+        """(delta [hi - lo], rope tables) of the span [lo, hi) whose segments (start, n, shift) move by
+        shift; built when the fused segments change (a layer that fuses fewer of them), else reused."""
+        key = (lo, hi, tuple(deltas))
+        if self._rotation is None or self._rotation[0] != key:
+            a = self.adapter
             delta = torch.zeros(hi - lo, dtype=torch.long, device=a.device)
             for start, n, shift in deltas:
                 delta[start - lo : start - lo + n] = shift
-            span = k_all[0, :, lo:hi]
-            span.copy_(ops.rope_shift(span, delta, inv, out_dtype=a.dtype))
-        self.keys[li], self.values[li] = k_all, v_all
+            self._rotation = (key, delta, ops.rope_tables(delta, a.inv_freq.to(a.device)))
+        return self._rotation[1:]
 
     def update(self, li: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor):
         """The fresh K/V [1, kv_heads, n, head_dim] of the active rows: scored against the fused K/V

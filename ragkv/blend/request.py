@@ -131,6 +131,12 @@ class BlendRequest:
         if li in schedule.checks:
             hidden = self._narrow(li, hidden, schedule.score, schedule.checks[li])
         active = self.cache.active = self.active
+        if li == self.adapter.num_layers - 1 and active.numel() > 1:
+            # the last layer: every active row's K/V (generation attends to them), but its output is
+            # read for the last token only (the logits), so only that row runs attention and the MLP
+            self.adapter.layer_kv(li, hidden, active, self.cache)
+            active = self.cache.active = active[-1:]
+            hidden = hidden[:, -1:]
         hidden = self.adapter.run_layer(li, hidden, active, self.cache, **self.calls(active))
         self.stats.t_compute += time.perf_counter() - tc
         return hidden

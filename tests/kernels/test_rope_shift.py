@@ -6,7 +6,7 @@ from kernel_testing import DEVICE, TOL, assert_verbose_allclose, requires_triton
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ragkv.kernels.rope_shift import rope_shift_torch, rope_shift_triton
+from ragkv.kernels.rope_shift import rope_shift_torch, rope_shift_triton, rope_tables
 
 ROPE_PARAMETERS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -126,3 +126,40 @@ def test_input_checks():
         rope_shift_torch(k, torch.zeros(4, dtype=torch.long), torch.ones(4))
     with pytest.raises(AssertionError, match="rotary_dim"):
         rope_shift_torch(k.float(), torch.zeros(4, dtype=torch.long), torch.ones(4), rotary_dim=6)
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, "int8-token"], ids=str)
+def test_reference_with_tables_and_in_place_is_bitwise_the_same(storage):
+    # the blend re-rotates the same span in every layer: cos/sin built once (rope_tables) and the
+    # rotation written over the keys themselves must give exactly the fresh-tensor result
+    k, scale, delta, inv_freq = _inputs(3, 301, 80, storage)
+    kw = {"scale": scale, "out_dtype": torch.bfloat16 if scale is not None else None, "rotary_dim": 64}
+    inv_freq = inv_freq[:32]
+    ref = rope_shift_torch(k, delta, inv_freq, **kw)
+    tables = rope_tables(delta, inv_freq)
+    assert torch.equal(rope_shift_torch(k, delta, inv_freq, tables=tables, **kw), ref)
+    if scale is None:  # in place (the input is the output: fp32 keys are read as they are, no copy)
+        big = k.clone()[None]
+        span = big[0]
+        got = rope_shift_torch(span, delta, inv_freq, tables=tables, out=span, **kw)
+        assert got.data_ptr() == span.data_ptr() and torch.equal(span, ref)
+    out = torch.empty(k.shape, dtype=ref.dtype)
+    assert rope_shift_torch(k, delta, inv_freq, tables=tables, out=out, **kw) is out and torch.equal(out, ref)
+
+
+def test_out_and_tables_are_checked():
+    k, _, delta, inv_freq = _inputs(2, 9, 64, torch.float32)
+    with pytest.raises(AssertionError, match="out"):
+        rope_shift_torch(k, delta, inv_freq, out=torch.empty(2, 9, 64, dtype=torch.bfloat16))
+    with pytest.raises(AssertionError, match="tables"):
+        rope_shift_torch(k, delta, inv_freq, tables=rope_tables(delta[:5], inv_freq))
+
+
+@requires_triton
+def test_triton_in_place_matches_reference():
+    k, _, delta, inv_freq = _inputs(3, 333, 64, torch.bfloat16)
+    ref = rope_shift_torch(k, delta, inv_freq)
+    span = k.clone()
+    assert rope_shift_triton(span, delta, inv_freq, out=span) is span
+    atol, rtol = TOL[span.dtype]
+    assert_verbose_allclose(span, ref, atol=atol, rtol=rtol)
