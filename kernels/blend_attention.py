@@ -184,7 +184,8 @@ def blend_attention_torch(q, k, v, q_pos, k_pos=None, sm_scale: float | None = N
 
 
 class SdpaBlock(NamedTuple):
-    idx: torch.Tensor  # [m] the block's queries (indices into q's n axis)
+    idx: torch.Tensor | slice  # the block's queries (indices into q's n axis; a slice when q_pos is sorted)
+    m: int  # how many
     kv_len: int  # keys [0, kv_len) cover every position the block's queries see
     mask: torch.Tensor  # [1, 1, group * m, kv_len] additive (0 / -inf) in the compute dtype
     blind: bool  # some query sees no key (its row comes out NaN and is zeroed)
@@ -194,22 +195,24 @@ def sdpa_plan(q_pos: torch.Tensor, total: int, group: int, dtype: torch.dtype,
               blocks: int | None = None) -> tuple[SdpaBlock, ...]:
     """The blocked SDPA path's query blocks and their masks for queries at ``q_pos`` [n] over keys at
     0..total-1 (``blend_attention_sdpa``). It depends on the positions only, not on the layer: a caller
-    running many layers over the same queries builds it once and passes it as ``plan``."""
+    running many layers over the same queries builds it once and passes it as ``plan``. Sorted
+    positions (the engine's active rows always are) give blocks that are slices of q: no gather."""
     n = q_pos.numel()
     blocks = max(1, min(8, n // 64)) if blocks is None else blocks
-    order = torch.argsort(q_pos)
+    ordered = n < 2 or bool((q_pos[1:] >= q_pos[:-1]).all())
+    order = None if ordered else torch.argsort(q_pos)
     bounds = torch.linspace(0, n, min(blocks, n) + 1).round().long().tolist()
     plan = []
     for s, e in itertools.pairwise(bounds):
         if s == e:
             continue
-        idx = order[s:e]
+        idx = slice(s, e) if order is None else order[s:e]
         pos = q_pos[idx]
         kv_len = min(total, int(pos.max()) + 1)
         hidden = torch.arange(kv_len, device=q_pos.device)[None, :] > pos[:, None]  # [m, kv_len]
         mask = torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, float("-inf"))
         # head h uses kv head h // group: the group's queries are stacked along the query axis
-        plan.append(SdpaBlock(idx, kv_len, mask.repeat(group, 1)[None, None], int(pos.min()) < 0))
+        plan.append(SdpaBlock(idx, e - s, kv_len, mask.repeat(group, 1)[None, None], int(pos.min()) < 0))
     return tuple(plan)
 
 
@@ -222,7 +225,8 @@ def blend_attention_sdpa(q, k, v, q_pos, k_pos=None, sm_scale: float | None = No
     without copying K/V: the query heads that share a kv head are stacked along the query axis.
     ``plan``: the blocks and masks from ``sdpa_plan`` for these q_pos (built here when None; building
     them costs ~a tenth of the call, so a layer loop builds one plan and passes it to every layer).
-    k_pos must be None (keys at positions 0..T-1); otherwise this falls back to the reference."""
+    k_pos must be None (keys at positions 0..T-1); otherwise this falls back to the reference.
+    Returns [Hq, n, D]: a view of an [n, Hq, D] buffer, the layout the model's output projection reads."""
     Hq, n, D, Hkv, T = _check(q, k, v, q_pos, k_pos)
     if k_pos is not None:
         return blend_attention_torch(q, k, v, q_pos, k_pos, sm_scale)
@@ -230,11 +234,10 @@ def blend_attention_sdpa(q, k, v, q_pos, k_pos=None, sm_scale: float | None = No
     group = Hq // Hkv
     if plan is None:
         plan = sdpa_plan(q_pos, T, group, q.dtype, blocks)
-    if sum(b.idx.numel() for b in plan) != n or any(b.mask.shape[2] != group * b.idx.numel() for b in plan):
+    if sum(b.m for b in plan) != n or any(b.mask.shape[2] != group * b.m for b in plan):
         raise ValueError(f"plan covers other queries than these {n} (group {group})")
-    out = torch.empty_like(q)
-    for idx, kv_len, mask, blind in plan:
-        m = idx.numel()
+    out = torch.empty(n, Hq, D, dtype=q.dtype, device=q.device).transpose(0, 1)
+    for idx, m, kv_len, mask, blind in plan:
         qq = q[:, idx].reshape(Hkv, group * m, D)
         o = torch.nn.functional.scaled_dot_product_attention(
             qq[None], k[None, :, :kv_len], v[None, :, :kv_len], attn_mask=mask.to(q.dtype), scale=sm_scale,

@@ -211,35 +211,47 @@ class ModelAdapter:
 
     def run_layer(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, cache,
                   attention_mask: torch.Tensor | None = None, attention: Callable | None = None,
-                  **attention_kwargs) -> torch.Tensor:
+                  position_embeddings: tuple | None = None, **attention_kwargs) -> torch.Tensor:
         """Decoder layer ``li`` on ``hidden`` [1, n, hidden] at absolute ``positions`` [n]. ``cache``
         is ragkv's side of the cache contract: ``cache.update(li, k, v)`` receives the fresh K/V of the
         n rows and returns the K/V to attend over. ``attention``: an HF-signature attention function
         used for this call only (with ``attention_kwargs`` passed to it); None = the model's own, with
-        ``attention_mask`` (None = causal over the n rows, the implementation's is_causal path)."""
-        return self._call_layer(li, hidden, positions, _CacheShim(cache), attention_mask, attention, attention_kwargs)
+        ``attention_mask`` (None = causal over the n rows, the implementation's is_causal path).
+        ``position_embeddings``: ``rope(positions, hidden.dtype)`` when the caller has it (computed here
+        otherwise)."""
+        return self._call_layer(li, hidden, positions, _CacheShim(cache), attention_mask, attention,
+                                position_embeddings, attention_kwargs)
 
-    def layer_kv(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, cache) -> None:
+    def layer_kv(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, cache,
+                 position_embeddings: tuple | None = None) -> None:
         """Only the K/V of decoder layer ``li`` for ``hidden`` [1, n, hidden] at ``positions`` [n]:
         handed to ``cache.update(li, k, v)`` as ``run_layer`` would, and the layer stops there (no
         attention, output projection or MLP). A caller that needs every row's K/V of a layer but
         that layer's output for only some rows runs this over all of them, then ``run_layer`` over
         the rows it keeps. Raises UnsupportedModelError if the layer finished without writing K/V."""
         try:
-            self._call_layer(li, hidden, positions, _CacheShim(cache, stop=True), None, None, {})
+            self._call_layer(li, hidden, positions, _CacheShim(cache, stop=True), None, None, position_embeddings, {})
         except _KVWritten:
             return
         raise UnsupportedModelError(f"layer {li} of {type(self.model).__name__} ran to the end without writing its K/V "
                                     "to the cache it was given")
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary (cos, sin) [1, n, head_dim] at ``positions`` [n], as its layers take them."""
+        # (the rotary module reads only its input's dtype and device: a [1, n, 0] stand-in for the hidden states)
+        x = torch.empty(1, positions.numel(), 0, dtype=dtype, device=positions.device)
+        return self.model.model.rotary_emb(x, positions[None])
+
     def _call_layer(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, shim: _CacheShim,
-                    attention_mask: torch.Tensor | None, attention: Callable | None, attention_kwargs: dict):
+                    attention_mask: torch.Tensor | None, attention: Callable | None,
+                    position_embeddings: tuple | None, attention_kwargs: dict):
         body = self.model.model
-        pos = positions[None]
+        if position_embeddings is None:
+            position_embeddings = self.rope(positions, hidden.dtype)
         kwargs = {self.cache_kw: shim, "use_cache": True, **attention_kwargs}
         with self._routed(attention, kwargs):
-            return body.layers[li](hidden, attention_mask=attention_mask, position_ids=pos,
-                                   position_embeddings=body.rotary_emb(hidden, pos), **kwargs)
+            return body.layers[li](hidden, attention_mask=attention_mask, position_ids=positions[None],
+                                   position_embeddings=position_embeddings, **kwargs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [vocab] fp32 of the last row of ``hidden`` [1, n, hidden]."""

@@ -339,7 +339,7 @@ def test_check_layers_give_what_running_the_whole_layer_over_every_active_row_gi
     narrowed = eng.prefill_prompt(prompt, ratio=0.2)
     a = eng.adapter
 
-    def whole_layer(li, hidden, positions, cache):  # what a check layer did before layer_kv
+    def whole_layer(li, hidden, positions, cache, position_embeddings=None):  # what a check layer did before layer_kv
         a.run_layer(li, hidden, positions, cache, attention=position_attention, ragkv_q_pos=positions)
 
     monkeypatch.setattr(a, "layer_kv", whole_layer)
@@ -585,11 +585,18 @@ def test_position_attention_plan_is_built_once_per_active_set(monkeypatch):
     prompt = make_prompt(seed=31, sizes=(23, 17, 30))
     built, real = [], ops.blend_attention_plan
     monkeypatch.setattr(ops, "blend_attention_plan", lambda q_pos, *a: built.append(q_pos) or real(q_pos, *a))
-    for selector, active_sets in ((QuerySelector(), 2), (DeviationSelector(check_layers=(0, 1)), 3)):
+    rotary, rope_calls = model.model.rotary_emb, []
+    monkeypatch.setattr(rotary, "forward", lambda x, position_ids, f=rotary.forward: rope_calls.append(1) or f(x, position_ids))
+    # active sets with a plan: query's selection and the last token; deviation's two narrowed sets and the
+    # last token (its whole-prompt layer 0 is a plain causal prefill). Rotary embeddings: those, the
+    # probe's suffix (query) and the whole prompt (deviation)
+    for selector, active_sets, ropes in ((QuerySelector(), 2, 3), (DeviationSelector(check_layers=(0, 1)), 3, 4)):
         eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=selector), template=TEMPLATE)
         _store_exact_caches(eng, model, prompt)
         built.clear()
+        rope_calls.clear()
         res = eng.prefill_prompt(prompt, ratio=0.2)
+        assert len(rope_calls) == ropes  # once per active set, not once per layer
         torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
         assert len(built) == active_sets < eng.adapter.num_layers
 

@@ -64,27 +64,37 @@ def causal_mask_by_position(q_pos: torch.Tensor, total: int, dtype: torch.dtype)
 
 
 class LayerCalls:
-    """The attention arguments of ``ModelAdapter.run_layer`` for one request, per active set (the
-    eager mask and the position attention's plan are built once per active set, not once per layer)."""
+    """The arguments of ``ModelAdapter.run_layer`` for one request, per active set: the eager mask or
+    the position attention's plan, and the rotary embeddings of the active rows, built once per active
+    set, not once per layer."""
 
     def __init__(self, adapter, total: int):
         self.adapter, self.total = adapter, total
+        self.dtype = adapter.dtype
         self.eager = adapter.attn_implementation == "eager"
         self.is_causal = adapter.attn_implementation in IS_CAUSAL_IMPLS  # takes mask None as causal
         self._for: torch.Tensor | None = None  # the active set the kwargs below were built for
         self._kwargs: dict = {}
+        self._rope: tuple[torch.Tensor | None, tuple | None] = (None, None)  # (active set, its cos/sin)
+
+    def rope(self, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary (cos, sin) at the positions ``active`` (what its layers are handed)."""
+        if self._rope[0] is not active:
+            self._rope = (active, self.adapter.rope(active, self.dtype))
+        return self._rope[1]
 
     def __call__(self, active: torch.Tensor, capture=None) -> dict:
+        rope = {"position_embeddings": self.rope(active)}
         if capture is not None:  # a probe: ragkv's attention under every implementation (eager included)
-            return {"attention": probe_attention, "ragkv_q_pos": active, "ragkv_capture": capture}
+            return {"attention": probe_attention, "ragkv_q_pos": active, "ragkv_capture": capture, **rope}
         if self.is_causal and active.numel() == self.total:  # every position: a plain causal prefill
-            return {}
+            return rope
         if self._for is not active:
             a = self.adapter
             if self.eager:
-                self._kwargs = {"attention_mask": causal_mask_by_position(active, self.total, a.dtype)}
+                self._kwargs = {"attention_mask": causal_mask_by_position(active, self.total, self.dtype)}
             else:
-                plan = ops.blend_attention_plan(active, self.total, a.num_heads // a.num_kv_heads, a.dtype)
+                plan = ops.blend_attention_plan(active, self.total, a.num_heads // a.num_kv_heads, self.dtype)
                 self._kwargs = {"attention": position_attention, "ragkv_q_pos": active, "ragkv_plan": plan}
             self._for = active
-        return self._kwargs
+        return {**self._kwargs, **rope}

@@ -45,6 +45,9 @@ class FusedCache:
 
     def __init__(self, adapter, total: int):
         self.adapter, self.total = adapter, total
+        # read once: the model's dtype/device properties walk its parameters on every access
+        self.dtype, self.device = adapter.dtype, adapter.device
+        self.inv_freq = adapter.inv_freq.to(self.device)
         self.keys: list[torch.Tensor | None] = [None] * adapter.num_layers
         self.values: list[torch.Tensor | None] = [None] * adapter.num_layers
         self.active: torch.Tensor | None = None  # [n] absolute positions of the rows being computed
@@ -60,9 +63,9 @@ class FusedCache:
         uninitialised: the caller recomputes every one of them in this layer."""
         a = self.adapter
         shape = (1, a.num_kv_heads, self.total, a.head_dim)
-        k_all = torch.empty(shape, dtype=a.dtype, device=a.device)
-        v_all = torch.empty(shape, dtype=a.dtype, device=a.device)
-        inv = a.inv_freq.to(a.device)
+        k_all = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v_all = torch.empty(shape, dtype=self.dtype, device=self.device)
+        inv = self.inv_freq
         lo, hi, deltas = self.total, 0, []  # the span of plain (unquantized) keys still to re-rotate
         for seg, item in parts:
             n = len(seg.ids)
@@ -71,24 +74,24 @@ class FusedCache:
                 k, v, k_scale, v_scale = item.k, item.v, item.k_scale, item.v_scale
             else:
                 (k, v), k_scale, v_scale = item, None, None
-            k, v = k.to(a.device), v.to(a.device)
+            k, v = k.to(self.device), v.to(self.device)
             shift = seg.start - seg.stored_start
             if k_scale is not None:  # dequantize and re-rotate in one pass
-                delta = torch.full((n,), shift, dtype=torch.long, device=a.device)
-                dst_k.copy_(ops.rope_shift(k, delta, inv, scale=k_scale.to(a.device), out_dtype=a.dtype))
+                delta = torch.full((n,), shift, dtype=torch.long, device=self.device)
+                dst_k.copy_(ops.rope_shift(k, delta, inv, scale=k_scale.to(self.device), out_dtype=self.dtype))
             else:
                 dst_k.copy_(k)
                 if shift:
                     lo, hi = min(lo, seg.start), max(hi, seg.end)
                     deltas.append((seg.start, n, shift))
             if v_scale is not None:
-                dst_v.copy_(v.float() * v_scale.to(a.device))
+                dst_v.copy_(v.float() * v_scale.to(self.device))
             else:
                 dst_v.copy_(v)
         if deltas:  # one rope_shift over the span, in place: the chunks sit side by side, each with its own delta
             delta, tables = self._rotation_for(lo, hi, deltas)
             span = k_all[0, :, lo:hi]
-            ops.rope_shift(span, delta, inv, out_dtype=a.dtype, tables=tables, out=span)
+            ops.rope_shift(span, delta, inv, out_dtype=self.dtype, tables=tables, out=span)
         self.keys[li], self.values[li] = k_all, v_all
 
     def _rotation_for(self, lo: int, hi: int, deltas: list[tuple[int, int, int]]):
@@ -96,11 +99,10 @@ class FusedCache:
         shift; built when the fused segments change (a layer that fuses fewer of them), else reused."""
         key = (lo, hi, tuple(deltas))
         if self._rotation is None or self._rotation[0] != key:
-            a = self.adapter
-            delta = torch.zeros(hi - lo, dtype=torch.long, device=a.device)
+            delta = torch.zeros(hi - lo, dtype=torch.long, device=self.device)
             for start, n, shift in deltas:
                 delta[start - lo : start - lo + n] = shift
-            self._rotation = (key, delta, ops.rope_tables(delta, a.inv_freq.to(a.device)))
+            self._rotation = (key, delta, ops.rope_tables(delta, self.inv_freq))
         return self._rotation[1:]
 
     def update(self, li: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor):

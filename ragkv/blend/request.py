@@ -134,7 +134,7 @@ class BlendRequest:
         if li == self.adapter.num_layers - 1 and active.numel() > 1:
             # the last layer: every active row's K/V (generation attends to them), but its output is
             # read for the last token only (the logits), so only that row runs attention and the MLP
-            self.adapter.layer_kv(li, hidden, active, self.cache)
+            self.adapter.layer_kv(li, hidden, active, self.cache, self.calls.rope(active))
             active = self.cache.active = active[-1:]
             hidden = hidden[:, -1:]
         hidden = self.adapter.run_layer(li, hidden, active, self.cache, **self.calls(active))
@@ -150,7 +150,7 @@ class BlendRequest:
         if keep_rows >= score_rows.numel():  # nothing to drop
             return hidden
         cache.active, cache.scorer = active, (score, score_rows)
-        self.adapter.layer_kv(li, hidden, active, cache)
+        self.adapter.layer_kv(li, hidden, active, cache, self.calls.rope(active))
         top = ops.select_topk(cache.scores, keep_rows)
         keep = torch.cat([score_rows[top], torch.nonzero(active >= self.P + self.C).flatten()]).sort().values
         cache.scorer = cache.scores = None

@@ -92,15 +92,20 @@ def test_triton_strided_q():
 
 
 @pytest.mark.parametrize("n,T,group", [(1, 7, 1), (37, 333, 3), (200, 1500, 3), (64, 4099, 8)])
-def test_blocked_sdpa_path_matches_reference(n, T, group):
-    from ragkv.kernels.blend_attention import blend_attention_sdpa
+@pytest.mark.parametrize("order", ["unsorted", "sorted"])
+def test_blocked_sdpa_path_matches_reference(n, T, group, order):
+    from ragkv.kernels.blend_attention import blend_attention_sdpa, sdpa_plan
 
     g = torch.Generator().manual_seed(n + T)
     Hkv, D = 2, 64
     q = torch.randn(Hkv * group, n, D, generator=g)
     k, v = torch.randn(Hkv, T, D, generator=g), torch.randn(Hkv, T, D, generator=g)
-    q_pos = torch.randperm(T, generator=g)[:n]  # scattered, unsorted
+    q_pos = torch.randperm(T, generator=g)[:n]  # scattered
+    if order == "sorted":  # the engine's active rows: the blocks are slices of q, no gather
+        q_pos = q_pos.sort().values
+        assert all(isinstance(b.idx, slice) for b in sdpa_plan(q_pos, T, group, q.dtype, blocks=5))
     got = blend_attention_sdpa(q, k, v, q_pos, sm_scale=0.11, blocks=5)
+    assert got.shape == q.shape and got.transpose(0, 1).is_contiguous()  # [Hq, n, D] over an [n, Hq, D] buffer
     assert_verbose_allclose(got, blend_attention_torch(q, k, v, q_pos, sm_scale=0.11), atol=2e-5, rtol=2e-5)
 
 
