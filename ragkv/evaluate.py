@@ -13,8 +13,10 @@ prefill, and blending with each selector at each ratio (0 = naive reuse) — it 
              that any small error flips); large: the method changed a decision full prefill was sure of
   kl         KL(full || method) of the first generated token's distribution
   f1         token F1 of the method's greedy answer against ``answer`` (when given)
-and the blend's time split (lookup, load, fuse/re-rotate, recompute). A question that cannot run
-(e.g. longer than the model's window) is reported in ``errors`` and the others go on.
+and the blend's time split (lookup, load, fuse/re-rotate, recompute), and the ``pareto`` front of
+fidelity against TTFT over the methods: which selector and ratio to run on this machine and data
+(the fastest selection differs with the CPU and the dtype). A question that cannot run (e.g. longer
+than the model's window) is reported in ``errors`` and the others go on.
 """
 
 from __future__ import annotations
@@ -204,12 +206,31 @@ def evaluate(
         if progress is not None:
             progress(qi + 1, len(questions))
     done = len(questions) - len(errors)
+    summaries = {name: st.summary() for name, st in stats.items()} if done else {}
     return {
         "questions": done,
         "n_tokens": n_tokens,
         "errors": errors,
-        "methods": {name: st.summary() for name, st in stats.items()} if done else {},
+        "methods": summaries,
+        "pareto": pareto(summaries),
     }
+
+
+def pareto(methods: dict[str, dict]) -> dict:
+    """Which methods are worth running on these questions and this machine: the ``front`` (fastest
+    first) holds every method that no other one beats on TTFT and fidelity at once; each other
+    method is ``dominated`` by the most faithful of those at least as fast and as faithful (one of
+    the two strictly). Full prefill takes part, so a blend slower than it is dominated too. Read on
+    the medians of this run: with few questions, a difference of one token in one answer moves it."""
+    items = [(name, m["ttft_s"], m["fidelity"]) for name, m in methods.items()]
+    front, dominated = [], {}
+    for name, t, f in items:
+        better = [(o, ot, of) for o, ot, of in items if ot <= t and of >= f and (ot < t or of > f)]
+        if better:
+            dominated[name] = max(better, key=lambda x: (x[2], -x[1]))[0]
+        else:
+            front.append((t, name))
+    return {"front": [name for _, name in sorted(front)], "dominated": dominated}
 
 
 def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats: dict, n_tokens: int, n_new: int,
@@ -289,6 +310,11 @@ def format_table(report: dict) -> str:
         lines.append(f"question {e['question']} skipped: {e['error']}")
     lines.append("div_mrg: at the first divergence, full prefill's own logit lead of its token over the method's "
                  "(median; near 0 = a near-tie full prefill itself barely decided; - = no divergence)")
+    best = report.get("pareto") or pareto(report["methods"])
+    lines.append("pareto front (fastest first; no other method both faster and as faithful): "
+                 + ", ".join(best["front"]))
+    if best["dominated"]:
+        lines.append("dominated: " + ", ".join(f"{name} (by {by})" for name, by in best["dominated"].items()))
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from ragkv.adapter import ModelAdapter
 from ragkv.cli import main
-from ragkv.evaluate import divergence_margin, load_questions, teacher_forced_logits, token_f1
+from ragkv.evaluate import divergence_margin, load_questions, pareto, teacher_forced_logits, token_f1
 
 DOCS = Path(__file__).parents[1] / "examples" / "data" / "docs"
 
@@ -29,6 +29,22 @@ def test_divergence_margin_is_full_prefills_lead_at_the_first_difference():
     assert divergence_margin(ref, torch.tensor([1, 3, 0]), target) == pytest.approx(0.5)  # a near-tie
     assert divergence_margin(ref, torch.tensor([2, 2, 0]), target) == pytest.approx(4.0)  # a sure call overturned
     assert divergence_margin(ref, torch.tensor([1, 2]), target) is None  # stopped early: nothing to compare
+
+
+def test_pareto_front_keeps_what_nothing_beats_on_both_ttft_and_fidelity():
+    methods = {"full": {"ttft_s": 1.50, "fidelity": 1.0},
+               "deviation@0.15": {"ttft_s": 0.67, "fidelity": 0.954},
+               "starts@0.15": {"ttft_s": 0.53, "fidelity": 0.959},  # faster and more faithful: beats deviation
+               "query@0.15": {"ttft_s": 0.69, "fidelity": 0.963},  # slower but more faithful: stays
+               "starts@0.05": {"ttft_s": 0.30, "fidelity": 0.947},
+               "deviation@0.05": {"ttft_s": 0.40, "fidelity": 0.939},
+               "tie@0.05": {"ttft_s": 0.30, "fidelity": 0.947},  # equal on both: neither beats the other
+               "1": {"ttft_s": 1.60, "fidelity": 1.0}}  # as faithful as full prefill, slower
+    got = pareto(methods)
+    assert got["front"] == ["starts@0.05", "tie@0.05", "starts@0.15", "query@0.15", "full"]
+    # each dominated method names the most faithful of those at least as fast and as faithful
+    assert got["dominated"] == {"deviation@0.15": "starts@0.15", "deviation@0.05": "starts@0.05", "1": "full"}
+    assert pareto({}) == {"front": [], "dominated": {}}
 
 
 def test_teacher_forced_logits_over_the_generated_cache_equal_one_plain_forward(tiny_smollm2):
@@ -152,3 +168,8 @@ def test_selectors_side_by_side(tmp_path, tiny_smollm2_dir):
     assert set(methods) == {"full", "0", "1", "deviation@0.15", "query@0.15", "hybrid@0.15"}
     assert all(name in r.output for name in methods)
     assert methods["1"]["fidelity"] == 1.0  # ratio 0 and 1 are the same for every selector: run once
+    # every method is on the front or beaten by one that is listed, in the JSON and on screen
+    best = json.loads(out.read_text())["pareto"]
+    assert sorted(best["front"] + list(best["dominated"])) == sorted(methods)
+    assert best["front"] and set(best["dominated"].values()) <= set(methods)
+    assert "pareto front (fastest first" in r.output and ", ".join(best["front"]) in r.output
