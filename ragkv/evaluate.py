@@ -310,7 +310,7 @@ def format_table(report: dict) -> str:
         lines.append(f"question {e['question']} skipped: {e['error']}")
     lines.append("div_mrg: at the first divergence, full prefill's own logit lead of its token over the method's "
                  "(median; near 0 = a near-tie full prefill itself barely decided; - = no divergence)")
-    best = report.get("pareto") or pareto(report["methods"])
+    best = pareto(report["methods"])
     lines.append("pareto front (fastest first; no other method both faster and as faithful): "
                  + ", ".join(best["front"]))
     if best["dominated"]:
