@@ -42,7 +42,7 @@ def main(store_uri: str) -> None:
     model, tokenizer = models.load("smollm2-135m")
     gen = BlendedGenerator(model, tokenizer, open_store(store_uri), BlendConfig(ratio=0.15))
 
-    summary = precompute(gen.engine, paths=[DOCS], chunk_tokens=CHUNK_TOKENS)
+    summary = precompute(gen.engine.prefiller, paths=[DOCS], chunk_tokens=CHUNK_TOKENS)
     print(f"precompute: {summary.docs} docs, {summary.chunks} chunks, {summary.new} new, "
           f"{summary.skipped} already stored, {summary.seconds:.1f} s")
 

@@ -20,7 +20,6 @@ Streaming, as HuggingFace documents it (``generate`` in a thread, the streamer c
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,7 +74,6 @@ class BlendedGenerator:
                             "(e.g. BlendedGenerator(model, tok, store, BlendConfig(ratio=0.3)))")
         self.engine = BlendEngine(model, tokenizer, store, config, policy=policy, storage=storage,
                                   namespace=namespace, template=template)
-        self._lock = threading.RLock()  # one blend + generate at a time per model
 
     @property
     def model(self):
@@ -114,13 +112,14 @@ class BlendedGenerator:
 
     def generate_from(self, res: BlendResult, **generate_kwargs):
         """Generation continuing a blended prompt (``BlendEngine.prefill``) -> new token ids [n]."""
-        return self.engine.adapter.generate(res.input_ids, res.cache, self.tokenizer, **generate_kwargs)
+        with self.engine.exclusive():
+            return self.engine.adapter.generate(res.input_ids, res.cache, self.tokenizer, **generate_kwargs)
 
     # ------------------------------------------------------------------ internals
 
     def _generate_one(self, question, contexts, ratio, generate_kwargs) -> GenerationResult:
         t0 = time.perf_counter()
-        with self._lock:
+        with self.engine.exclusive():  # one blend + generate at a time per model
             res = self.engine.prefill_prompt(self.prompt(question, contexts), ratio=ratio)
             ttft = time.perf_counter() - t0
             new = self.generate_from(res, **generate_kwargs)

@@ -156,8 +156,9 @@ class RagKVLLM(CustomLLM):
 
     def _generate(self, ids, kwargs: dict):
         gen = self._generator
-        return gen.engine.adapter.generate(ids, None, gen.tokenizer, **{"max_new_tokens": self.max_new_tokens,
-                                                                         **kwargs})
+        with gen.engine.exclusive():  # the model serves one request at a time (blended or not)
+            return gen.engine.adapter.generate(ids, None, gen.tokenizer, **{"max_new_tokens": self.max_new_tokens,
+                                                                             **kwargs})
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,24 +45,36 @@ class UnsupportedModelError(ValueError):
 
 class _CacheShim:
     """The cache duck type transformers' attention modules call (``update(k, v, layer_idx, ...)``),
-    forwarding to ragkv's side of it: ``target.update(layer_idx, k, v) -> (K, V)`` to attend over."""
+    forwarding to ragkv's side of it with the positions of the rows being computed:
+    ``target.update(layer_idx, k, v, positions) -> (K, V)`` to attend over."""
 
-    def __init__(self, target, stop: bool = False):
-        self.target, self.stop = target, stop
+    def __init__(self, target, positions: torch.Tensor):
+        self.target, self.positions = target, positions
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        out = self.target.update(layer_idx, key_states, value_states)
-        if self.stop:  # ModelAdapter.layer_kv: the rest of the layer is not wanted
-            raise _KVWritten
-        return out
+        return self.target.update(layer_idx, key_states, value_states, self.positions)
 
 
-class _KVWritten(Exception):  # control flow: never escapes ModelAdapter.layer_kv
-    """Raised by the cache shim right after a layer wrote its K/V, to stop that layer there."""
+class _KVCapture:
+    """A cache that keeps the K/V a layer hands it and gives them back to attend over."""
+
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.kv = (key_states, value_states)
+        return self.kv
+
+
+def _skip_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention of the HF signature that attends to nothing: its output (the queries, [1, n, Hq, D])
+    only has the shape the output projection expects; ``layer_kv`` discards it."""
+    return query.transpose(1, 2), None
 
 
 _routers: set[str] = set()
 _routers_lock = threading.Lock()
+_adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ModelAdapter
+_adapters_lock = threading.Lock()
 
 
 def _register_router(impl: str) -> str:
@@ -104,7 +117,9 @@ class ModelAdapter:
     inv_freq: torch.Tensor  # [head_dim // 2] fp32, exactly the buffer the model rotates with
     sliding_window: int | None
     cache_kw: str = "cache"  # the forward/generate argument that takes a Cache
-    _routes: dict = field(default_factory=dict, repr=False)
+    # one request per model at a time: the blend points the model's attention at ragkv's router for
+    # the duration of a layer call (``_routed``); every user of a model's engine holds this
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,11 +141,11 @@ class ModelAdapter:
 
     @classmethod
     def of(cls, model) -> ModelAdapter:
-        cached = getattr(model, "_ragkv_adapter", None)
-        if cached is not None:
-            return cached
-        adapter = cls._build(model)
-        model._ragkv_adapter = adapter
+        """The adapter of ``model`` (one per model object, so every engine over it shares its lock)."""
+        with _adapters_lock:
+            adapter = _adapters.get(model)
+            if adapter is None:
+                adapter = _adapters[model] = cls._build(model)
         return adapter
 
     @classmethod
@@ -139,10 +154,13 @@ class ModelAdapter:
         cfg = model.config
         body = getattr(model, "model", None)
         missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(body, a)]
+        if body is not None and not missing:
+            missing = [f"layers[0].{a}" for a in ("input_layernorm", "self_attn") if not hasattr(body.layers[0], a)]
         if body is None or missing or not hasattr(model, "lm_head"):
             raise UnsupportedModelError(
-                f"{name}: ragkv blends decoder-only models with the Llama-family layout "
-                f"(model.model.embed_tokens/layers/norm/rotary_emb + lm_head); missing {missing or ['model']}"
+                f"{name}: ragkv blends decoder-only models with the Llama-family layout (model.model."
+                f"embed_tokens/layers[i].input_layernorm+self_attn/norm/rotary_emb + lm_head); missing "
+                f"{missing or ['model']}"
             )
         if getattr(cfg, "is_encoder_decoder", False):
             raise UnsupportedModelError(f"{name}: encoder-decoder models are not supported")
@@ -213,45 +231,43 @@ class ModelAdapter:
                   attention_mask: torch.Tensor | None = None, attention: Callable | None = None,
                   position_embeddings: tuple | None = None, **attention_kwargs) -> torch.Tensor:
         """Decoder layer ``li`` on ``hidden`` [1, n, hidden] at absolute ``positions`` [n]. ``cache``
-        is ragkv's side of the cache contract: ``cache.update(li, k, v)`` receives the fresh K/V of the
-        n rows and returns the K/V to attend over. ``attention``: an HF-signature attention function
-        used for this call only (with ``attention_kwargs`` passed to it); None = the model's own, with
-        ``attention_mask`` (None = causal over the n rows, the implementation's is_causal path).
-        ``position_embeddings``: ``rope(positions, hidden.dtype)`` when the caller has it (computed here
-        otherwise)."""
-        return self._call_layer(li, hidden, positions, _CacheShim(cache), attention_mask, attention,
-                                position_embeddings, attention_kwargs)
+        is ragkv's side of the cache contract: ``cache.update(li, k, v, positions)`` receives the fresh
+        K/V of the n rows and returns the K/V to attend over. ``attention``: an HF-signature attention
+        function used for this call only (with ``attention_kwargs`` passed to it); None = the model's
+        own, with ``attention_mask`` (None = causal over the n rows, the implementation's is_causal
+        path). ``position_embeddings``: ``rope(positions, hidden.dtype)`` when the caller has it."""
+        if position_embeddings is None:
+            position_embeddings = self.rope(positions, hidden.dtype)
+        kwargs = {self.cache_kw: _CacheShim(cache, positions), "use_cache": True, **attention_kwargs}
+        with self._routed(attention, kwargs):
+            return self.model.model.layers[li](hidden, attention_mask=attention_mask, position_ids=positions[None],
+                                               position_embeddings=position_embeddings, **kwargs)
 
-    def layer_kv(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, cache,
-                 position_embeddings: tuple | None = None) -> None:
-        """Only the K/V of decoder layer ``li`` for ``hidden`` [1, n, hidden] at ``positions`` [n]:
-        handed to ``cache.update(li, k, v)`` as ``run_layer`` would, and the layer stops there (no
-        attention, output projection or MLP). A caller that needs every row's K/V of a layer but
-        that layer's output for only some rows runs this over all of them, then ``run_layer`` over
-        the rows it keeps. Raises UnsupportedModelError if the layer finished without writing K/V."""
-        try:
-            self._call_layer(li, hidden, positions, _CacheShim(cache, stop=True), None, None, position_embeddings, {})
-        except _KVWritten:
-            return
-        raise UnsupportedModelError(f"layer {li} of {type(self.model).__name__} ran to the end without writing its K/V "
-                                    "to the cache it was given")
+    def layer_kv(self, li: int, hidden: torch.Tensor, positions: torch.Tensor,
+                 position_embeddings: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the K/V [1, kv_heads, n, head_dim] (keys rotated) that decoder layer ``li`` computes for
+        ``hidden`` [1, n, hidden] at ``positions`` [n]: the layer's own input norm and attention module,
+        whose attention is skipped (its output projection runs on a stand-in and is discarded), and no
+        MLP. A caller that needs every row's K/V of a layer but that layer's output for only some rows
+        runs this over all of them, then ``run_layer`` over the rows it keeps."""
+        layer = self.model.model.layers[li]
+        if position_embeddings is None:
+            position_embeddings = self.rope(positions, hidden.dtype)
+        capture = _KVCapture()
+        kwargs = {self.cache_kw: capture, "use_cache": True}
+        with self._routed(_skip_attention, kwargs):
+            layer.self_attn(hidden_states=layer.input_layernorm(hidden), attention_mask=None,
+                            position_ids=positions[None], position_embeddings=position_embeddings, **kwargs)
+        if capture.kv is None:
+            raise UnsupportedModelError(f"the attention of layer {li} of {type(self.model).__name__} wrote no K/V "
+                                        "to the cache it was given")
+        return capture.kv
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary (cos, sin) [1, n, head_dim] at ``positions`` [n], as its layers take them."""
         # (the rotary module reads only its input's dtype and device: a [1, n, 0] stand-in for the hidden states)
         x = torch.empty(1, positions.numel(), 0, dtype=dtype, device=positions.device)
         return self.model.model.rotary_emb(x, positions[None])
-
-    def _call_layer(self, li: int, hidden: torch.Tensor, positions: torch.Tensor, shim: _CacheShim,
-                    attention_mask: torch.Tensor | None, attention: Callable | None,
-                    position_embeddings: tuple | None, attention_kwargs: dict):
-        body = self.model.model
-        if position_embeddings is None:
-            position_embeddings = self.rope(positions, hidden.dtype)
-        kwargs = {self.cache_kw: shim, "use_cache": True, **attention_kwargs}
-        with self._routed(attention, kwargs):
-            return body.layers[li](hidden, attention_mask=attention_mask, position_ids=positions[None],
-                                   position_embeddings=position_embeddings, **kwargs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [vocab] fp32 of the last row of ``hidden`` [1, n, hidden]."""

@@ -123,10 +123,11 @@ def _model_options(f):
 
 
 def _engine(model_name: str, model_dtype: str, store, config=None, sink="template", gap=None, namespace="",
-            storage=None, context=None, lead=None):
-    """The BlendEngine every command builds from its options (model errors are clear, not tracebacks)."""
+            storage=None, context=None, lead=None, write_path: bool = False):
+    """The BlendEngine every command builds from its options, or with ``write_path`` the Prefiller
+    (model errors are clear, not tracebacks)."""
     from ragkv import models
-    from ragkv.writer import EngineSpec
+    from ragkv.spec import EngineSpec
 
     given = {name: v for name, v in (("context", context), ("lead", lead)) if v is not None}  # else the policy's
     spec = EngineSpec(model_name, model_dtype, sink=sink, gap=gap, namespace=namespace, storage=storage, **given)
@@ -135,7 +136,7 @@ def _engine(model_name: str, model_dtype: str, store, config=None, sink="templat
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     try:
-        return spec.build(store, config)
+        return spec.prefiller(store) if write_path else spec.engine(store, config)
     except models.ModelNotFoundError as e:
         raise click.ClickException(str(e)) from None
 
@@ -190,10 +191,10 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
     store = _open_store(store_uri)
     with store:
         _check([store])
-        engine = _engine(model_name, model_dtype, store, sink=sink, gap=gap, namespace=namespace, storage=storage,
-                         context=context, lead=lead)
+        prefiller = _engine(model_name, model_dtype, store, sink=sink, gap=gap, namespace=namespace, storage=storage,
+                            context=context, lead=lead, write_path=True)
         try:
-            summary = run(engine, paths=list(paths), chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
+            summary = run(prefiller, paths=list(paths), chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
                           shard=shard, allow_eviction=allow_eviction, progress=progress)
         except OverBudget as e:
             click.echo(f"Error: {e}", err=True)
@@ -364,8 +365,7 @@ def _selectors(names: str, signal: str, check_layers: str | None) -> list:
 @click.option("--ratios", default="0,0.15,0.3,1", show_default=True,
               help="Comma-separated recompute ratios; 'auto' = the loading controller's choice.")
 @click.option("--selectors", default="deviation", show_default=True,  # (ragkv.blend.config.DEFAULT_SELECTOR)
-              help="Comma-separated selection strategies, measured side by side (deviation, query, hybrid, "
-                   "starts).")
+              help="Comma-separated selection strategies, measured side by side (deviation, query, starts).")
 @click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True,
               help="deviation selector: which deviation scores tokens.")
 @click.option("--check-layers", default=None, help="deviation selector: check layers (default: 1,3,6 gradual).")

@@ -25,8 +25,8 @@ def precompute_ray(paths, store_uri, shard, allow_eviction, progress, address, w
                     chunk_tokens, batch_tokens, **spec):
     from ragkv import models
     from ragkv.precompute import OverBudget
+    from ragkv.spec import EngineSpec
     from ragkv.store import StoreError
-    from ragkv.writer import EngineSpec
 
     if shard is not None:
         raise click.BadParameter("--shard splits a corpus over jobs started by hand; --ray splits it over Ray "

@@ -44,7 +44,7 @@ class _WholeKV:
     def __init__(self, kv: torch.Tensor):
         self.kv = kv
 
-    def update(self, layer_idx, key_states, value_states):
+    def update(self, layer_idx, key_states, value_states, positions):
         return self.kv, self.kv
 
 

@@ -25,7 +25,8 @@ from collections.abc import Iterable
 
 from ragkv.precompute import OverBudget, PrecomputeSummary, check_job_args, entry_bytes
 from ragkv.sources import Report, read_documents
-from ragkv.writer import OUTCOMES, EngineSpec, Tally, plan, write_chunks
+from ragkv.spec import EngineSpec
+from ragkv.writer import OUTCOMES, Tally, plan, write_chunks
 
 _RANK = {o: len(OUTCOMES) - i for i, o in enumerate(OUTCOMES)}  # new > repaired > skipped > failed > ...
 UNITS_PER_WORKER = 4  # work units per actor: enough to balance documents of unequal length
@@ -80,8 +81,8 @@ class _PrecomputeActor:
         import torch
 
         torch.set_num_threads(max(1, threads))
-        self.engine = spec.build()
-        self.size = entry_bytes(self.engine)  # planned bytes of a chunk to compute, as the local job counts
+        self.prefiller = spec.prefiller()
+        self.size = entry_bytes(self.prefiller)  # planned bytes of a chunk to compute, as the local job counts
         self.chunk_tokens, self.batch_tokens = chunk_tokens, batch_tokens
         self.stop_reason: str | None = None
 
@@ -91,13 +92,13 @@ class _PrecomputeActor:
         planned: dict[str, int] = {}
         for unit in batch["docs"]:
             docs = [tuple(d) for d in json.loads(unit)]
-            todo = plan(self.engine, docs, self.chunk_tokens, None, tally)
+            todo = plan(self.prefiller, docs, self.chunk_tokens, None, tally)
             planned.update((j.key, self.size(len(j.ids))) for j in todo)
             if self.stop_reason:  # this actor stopped after repeated write failures: leave the rest
                 for key, _, _, kind in todo:
                     tally.record(key, "not_attempted", kind=kind)
             else:
-                self.stop_reason = write_chunks(self.engine, todo, self.batch_tokens, tally)
+                self.stop_reason = write_chunks(self.prefiller, todo, self.batch_tokens, tally)
         rows = [(o.key, o.outcome, o.tokens, o.nbytes, planned.get(o.key, 0), "", o.kind) for o in tally.keys]
         rows += [("", "note", 0, 0, 0, e, "") for e in summary.errors]
         if self.stop_reason:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ragkv.policy import PREFIX_POLICY
+
 KEY_PREFIX = "ragkv1-"  # bump when the key derivation itself changes
 
 
@@ -65,3 +67,90 @@ def chunk_key(
     # token ids as fixed-width little-endian int32: canonical and fast for long chunks
     h.update(b"".join(t.to_bytes(4, "little") for t in ids))
     return KEY_PREFIX + h.hexdigest()
+
+
+KINDS = ("chunk", "lead", "prefix")
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    """What one model's entries are called and how they were prefilled: the key and the layout of
+    every kind of entry, shared by the write path (ragkv.prefill, the precompute job) and the read
+    path (ragkv.blend). It needs no model: a fingerprint, a resolved precompute policy and the
+    template's sink ids are enough (``for_template``), so a process that only looks keys up (vLLM's
+    scheduler) never loads weights.
+
+    kinds: 'chunk' (behind the sink, the policy's gap and context), 'lead' (right behind the sink,
+    read for a prompt's first chunk), 'prefix' (the exact template prefix at position 0)."""
+
+    fingerprint: ModelFingerprint
+    policy_id: str
+    lead_id: str
+    sink_ids: tuple[int, ...]
+    chunk_start: int  # stored start position of every chunk entry
+    lead: bool  # lead entries are written and read (PrecomputePolicy.lead, and gap > 0)
+    context: int  # neighbour chunks a chunk entry was prefilled behind (PrecomputePolicy.context)
+    namespace: str = ""
+
+    @classmethod
+    def for_template(cls, fingerprint: ModelFingerprint, template, policy, namespace: str = "") -> Keyspace:
+        """``policy``: a PrecomputePolicy resolved for the model (``resolve(max_positions)``)."""
+        sink = tuple(policy.sink_ids(template))
+        start = policy.chunk_start(template)
+        return cls(fingerprint, policy.policy_id(template), policy.lead_id(template), sink, start,
+                   # with gap 0 (and so no context) a chunk entry already sits right behind the sink
+                   policy.lead and start != len(sink), policy.context, namespace)
+
+    @property
+    def digest(self) -> str:
+        return self.fingerprint.digest()
+
+    @property
+    def lead_start(self) -> int:
+        return len(self.sink_ids)
+
+    def key(self, ids: Sequence[int], kind: str = "chunk") -> str:
+        return chunk_key(self.digest, ids, self.layout(kind)[1], self.namespace)
+
+    def chunk_key(self, ids: Sequence[int]) -> str:
+        return self.key(ids, "chunk")
+
+    def lead_key(self, ids: Sequence[int]) -> str:
+        return self.key(ids, "lead")
+
+    def prefix_key(self, ids: Sequence[int]) -> str:
+        return self.key(ids, "prefix")
+
+    def entry_keys(self, ids: Sequence[int]) -> list[tuple[str, str]]:
+        """(key, kind) of every entry the write path stores for one chunk: its chunk entry first and,
+        under ``lead``, its lead entry."""
+        return [(self.key(ids, kind), kind) for kind in (("chunk", "lead") if self.lead else ("chunk",))]
+
+    def layout(self, kind: str) -> tuple[int, str]:
+        """(stored start position, policy id) of an entry of ``kind``."""
+        if kind == "chunk":
+            return self.chunk_start, self.policy_id
+        if kind == "lead":
+            return self.lead_start, self.lead_id
+        if kind == "prefix":
+            return 0, PREFIX_POLICY
+        raise ValueError(f"entry kind {kind!r}: valid are {', '.join(KINDS)}")
+
+    def meta(self, key: str, ids: Sequence[int], kind: str, storage: tuple[str, str | None] | None = None):
+        """The EntryMeta of an entry of ``kind`` holding ``ids``, encoded as ``storage`` ((dtype, quant
+        axis), ``StorageFormat.resolve``; None: the model's dtype)."""
+        from ragkv.store.entry import EntryMeta
+
+        fp = self.fingerprint
+        start, policy = self.layout(kind)
+        storage = storage or (fp.dtype, None)
+        return EntryMeta(key=key, token_ids=tuple(ids), start_pos=start, num_layers=fp.num_layers,
+                         num_kv_heads=fp.num_kv_heads, head_dim=fp.head_dim, model_dtype=fp.dtype,
+                         storage_dtype=storage[0], quant_axis=storage[1], fingerprint=self.digest, policy=policy)
+
+    def matches(self, meta, ids: Sequence[int]) -> bool:
+        """Whether a stored entry's metadata is one of this keyspace's, for exactly ``ids``."""
+        fp = self.fingerprint
+        return (tuple(meta.token_ids) == tuple(ids) and meta.num_layers == fp.num_layers
+                and meta.num_kv_heads == fp.num_kv_heads and meta.head_dim == fp.head_dim
+                and meta.fingerprint == self.digest)

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -257,6 +258,9 @@ def _weights_digest(model) -> str:
     return h.hexdigest()
 
 
+_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (dtype, weights digest)
+
+
 def fingerprint(model, tokenizer=None) -> ModelFingerprint:
     """The model's identity for cache keys: a digest of every weight (cached on the model object),
     its dtype, shapes and rope parameters, and the tokenizer's vocabulary."""
@@ -264,10 +268,9 @@ def fingerprint(model, tokenizer=None) -> ModelFingerprint:
     dtype = str(model.dtype).removeprefix("torch.")
     # hashing every weight takes ~0.5 s for 135M parameters: cache it per (model object, dtype).
     # Weights edited in place after the first call are not noticed; call with a fresh model then.
-    cached = getattr(model, "_ragkv_weights_digest", None)
+    cached = _digests.get(model)
     if cached is None or cached[0] != dtype:
-        cached = (dtype, _weights_digest(model))
-        model._ragkv_weights_digest = cached
+        cached = _digests[model] = (dtype, _weights_digest(model))
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads

@@ -46,12 +46,7 @@ written with lead entries serves readers without them, and the other way round.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
-
-import torch
-
-from ragkv.adapter import ModelAdapter
 
 POLICY_VERSION = 1
 SINKS = ("template", "bos", "none")
@@ -87,12 +82,11 @@ class PrecomputePolicy:
             raise ValueError(f"context={self.context} puts neighbour chunks in the gap before each chunk, and gap 0 "
                              "leaves no room: give a gap > 0, or context=0 (--context 0)")
 
-    def resolve(self, model) -> PrecomputePolicy:
-        """This policy with its default gap fixed for ``model``."""
+    def resolve(self, max_positions: int | None) -> PrecomputePolicy:
+        """This policy with its default gap fixed for a model of ``max_positions`` positions."""
         if self.gap is not None:
             return self
-        max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
-        return replace(self, gap=min(DEFAULT_GAP, max_pos // 4))
+        return replace(self, gap=min(DEFAULT_GAP, (max_positions or 4096) // 4))
 
     def sink_ids(self, template) -> list[int]:
         if self.sink == "none":
@@ -145,64 +139,3 @@ class StorageFormat:
         """(storage dtype, quant axis) of an entry of a model in ``model_dtype``."""
         dtype = self.dtype or model_dtype
         return dtype, ((self.quant_axis or "auto") if dtype == "int8" else None)
-
-
-def batches(lengths: Sequence[int], sink_len: int, batch_tokens: int) -> list[list[int]]:
-    """Indices of chunks grouped for one forward each: longest first (similar lengths batch together,
-    little padding), each group within ``batch_tokens`` padded tokens (sink included)."""
-    if batch_tokens < 1:
-        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    out, i = [], 0
-    while i < len(order):
-        n = max(1, batch_tokens // (sink_len + lengths[order[i]]))
-        out.append(order[i : i + n])
-        i += n
-    return out
-
-
-@torch.inference_mode()
-def prefill_kv(
-    model, sink_ids: Sequence[int], chunks: Sequence[Sequence[int]], batch_tokens: int = 4096, gap: int = 0,
-    contexts: Sequence[Sequence[int]] | None = None,
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Prefill every chunk behind ``sink_ids`` (and behind ``contexts[i]``, which ends right before
-    chunk i: at most ``gap`` of its last tokens, at positions len(sink) + gap - len(context) ...);
-    return per chunk, per layer (K, V), each ``[kv_heads, len(chunk), head_dim]`` (keys rotated at
-    positions len(sink) + gap + i). Only the chunk's own rows are kept.
-
-    Chunks are batched (``batches``; right-padded: with a causal mask, padding at the end never
-    reaches a real token, so no attention mask is needed), one forward per batch.
-    """
-    adapter = ModelAdapter.of(model)
-    s = len(sink_ids)
-    limit = adapter.max_positions
-    longest = max(map(len, chunks), default=0)
-    if limit is not None and s + gap + longest > limit:
-        raise ValueError(
-            f"a chunk of {longest} tokens behind a {s}-token sink and a gap of {gap} exceeds the model's "
-            f"{limit} positions; use shorter chunks or a smaller PrecomputePolicy gap"
-        )
-    if contexts is None:
-        contexts = [()] * len(chunks)
-    elif len(contexts) != len(chunks):
-        raise ValueError(f"{len(contexts)} contexts for {len(chunks)} chunks")
-    contexts = [list(c)[len(c) - min(len(c), gap):] for c in contexts]
-    out: list = [None] * len(chunks)
-    rows = [len(x) + len(c) for x, c in zip(contexts, chunks)]
-    for group in batches(rows, s, batch_tokens):
-        width = s + max(rows[ci] for ci in group)
-        ids = torch.zeros((len(group), width), dtype=torch.long)
-        pos = torch.zeros((len(group), width), dtype=torch.long)
-        for row, ci in enumerate(group):
-            n_ctx = len(contexts[ci])
-            ids[row, : s + rows[ci]] = torch.tensor([*sink_ids, *contexts[ci], *chunks[ci]])
-            # sink at 0.., then context + chunk contiguous, the chunk from s + gap
-            pos[row, :s] = torch.arange(s)
-            pos[row, s : s + rows[ci]] = torch.arange(s + gap - n_ctx, s + gap + len(chunks[ci]))
-            pos[row, s + rows[ci] :] = s + gap + len(chunks[ci]) - 1  # padding: never past the chunk's end
-        layers = adapter.prefill_layers(ids.to(adapter.device), pos.to(adapter.device))
-        for row, ci in enumerate(group):
-            a, b = s + len(contexts[ci]), s + rows[ci]
-            out[ci] = [(k[row, :, a:b].clone(), v[row, :, a:b].clone()) for k, v in layers]
-    return out

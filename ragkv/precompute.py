@@ -1,4 +1,4 @@
-"""The write path: chunk a corpus, prefill every chunk under the engine's precompute policy, store it.
+"""The precompute job: chunk a corpus, prefill every chunk under the precompute policy, store it.
 
     sources -> documents     ragkv.sources: files, folders, .jsonl, texts; what cannot be used is
                              reported, never fatal
@@ -7,14 +7,15 @@
                              that only some tiers hold is copied into the others (``repaired``)
     budget                   the planned bytes against each bounded tier's ``max_bytes``: a corpus
                              that cannot fit is refused before any compute (``allow_eviction``)
-    plan -> store            batches of similar lengths (policy.batches) through the engine's
-                             prefill, one forward each; entries encoded and written on a background
-                             thread while the next batch computes (engine.write_entry)
+    plan -> store            batches of similar lengths (prefill.batches) through the prefiller, one
+                             forward each; entries encoded and written on a background thread while
+                             the next batch computes (Prefiller.write)
 
 The plan and store steps live in ragkv.writer, shared with the Ray actors of ``--ray``
 (ragkv.distributed): both paths key, skip, repair and write chunks with the same code.
 
-Keys, policy and encoding come from the ``BlendEngine`` the job is given, so a chunk written here is
+Keys, policy and encoding come from the ``Prefiller`` the job is given (ragkv.prefill, the same the
+read path writes its misses back with), so a chunk written here is
 exactly what the read path looks up. Idempotent: a second run (or one restarted after ``kill -9``:
 the stores write atomically) computes only what is missing. Repeated write failures of one cause
 (disk full, store directory gone, Redis down) stop the job early with what was saved.
@@ -28,8 +29,8 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 
-from ragkv.blend import BlendEngine
 from ragkv.keys import KEY_PREFIX
+from ragkv.prefill import Prefiller
 from ragkv.sources import Report, read_documents
 from ragkv.store.entry import encode
 from ragkv.writer import _MAX_REPORTED_ERRORS, STOP_AFTER, Tally, key_shard, plan, write_chunks
@@ -117,15 +118,15 @@ def check_job_args(chunk_tokens, batch_tokens) -> None:
         raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
 
 
-def entry_bytes(engine: BlendEngine):
-    """f(n_tokens) -> bytes of one entry this engine writes (a linear fit of two encoded entries)."""
+def entry_bytes(prefiller: Prefiller):
+    """f(n_tokens) -> bytes of one chunk entry this prefiller writes (a linear fit of two encoded entries)."""
     import torch
 
-    a = engine.adapter
-    sizes = []
+    fp, sizes = prefiller.keys.fingerprint, []
+    storage = prefiller.storage.resolve(fp.dtype)
     for n in (16, 32):
-        kv = [(torch.zeros(a.num_kv_heads, n, a.head_dim),) * 2 for _ in range(a.num_layers)]
-        meta = engine.entry_meta(KEY_PREFIX + "0" * 64, [0] * n, engine.chunk_start, engine.policy_id)
+        kv = [(torch.zeros(fp.num_kv_heads, n, fp.head_dim),) * 2 for _ in range(fp.num_layers)]
+        meta = prefiller.keys.meta(KEY_PREFIX + "0" * 64, [0] * n, "chunk", storage)
         sizes.append(encode(meta, kv).nbytes)
     per_token = (sizes[1] - sizes[0]) / 16
     return lambda n: int(sizes[0] + per_token * (n - 16))
@@ -142,15 +143,15 @@ def _size(n: float) -> str:
 # ----------------------------------------------------------------------------- plan
 
 
-def check_budget(engine: BlendEngine, todo, summary: PrecomputeSummary, allow_eviction: bool) -> None:
+def check_budget(prefiller: Prefiller, todo, summary: PrecomputeSummary, allow_eviction: bool) -> None:
     """Refuse (OverBudget) a plan whose entries cannot fit a bounded tier of the store."""
-    size = entry_bytes(engine)
+    size = entry_bytes(prefiller)
     summary.planned_bytes = sum(size(len(j.ids)) for j in todo)
-    for tier in getattr(engine.store, "tiers", [engine.store]):
+    for tier in prefiller.store.tiers:
         limit = getattr(tier, "max_bytes", None)
         if limit is None or summary.planned_bytes <= limit or allow_eviction:
             continue
-        dtype = engine.storage.resolve(engine.model_dtype)[0]
+        dtype = prefiller.storage.resolve(prefiller.keys.fingerprint.dtype)[0]
         raise OverBudget(
             f"this run would write ~{_size(summary.planned_bytes)} of K/V ({len(todo)} entries stored as {dtype}) "
             f"but {tier.uri} holds at most {_size(limit)}: new entries would evict each other. Store a smaller "
@@ -162,7 +163,7 @@ def check_budget(engine: BlendEngine, todo, summary: PrecomputeSummary, allow_ev
 
 
 def precompute(
-    engine: BlendEngine,
+    prefiller: Prefiller,
     paths: Iterable[str | os.PathLike] = (),
     texts: Iterable[str] = (),
     *,
@@ -175,8 +176,9 @@ def precompute(
 ) -> PrecomputeSummary:
     """Chunk, prefill and store every document; return what was done.
 
-    ``engine``: the read path's engine (model, tokenizer, store, policy, storage format, namespace):
-    chunks are keyed and encoded exactly as it looks them up. ``paths``: files and folders
+    ``prefiller``: the model, tokenizer, store, policy, storage format and namespace (a BlendEngine's
+    ``engine.prefiller``, or ``EngineSpec.prefiller()``): chunks are keyed and encoded exactly as the
+    read path looks them up. ``paths``: files and folders
     (.txt/.md/.jsonl); ``texts``: document texts. ``shard`` 'I/N': only chunks whose key falls in
     shard I. ``keys``: only the chunks with these keys (e.g. those a question set uses); under
     ``context=k`` their neighbours still come from every document. Raises OverBudget (before computing) when the chunks cannot fit a bounded tier, unless
@@ -192,11 +194,11 @@ def precompute(
     tally = Tally(summary)
     bar = _bar(progress, sum(len(t) for _, t in docs), "planning", "char")
     try:
-        todo = plan(engine, docs, chunk_tokens, shard_t, tally, bar, keys=keys)
+        todo = plan(prefiller, docs, chunk_tokens, shard_t, tally, bar, keys=keys)
     finally:
         if bar is not None:
             bar.close()
-    check_budget(engine, todo, summary, allow_eviction)
+    check_budget(prefiller, todo, summary, allow_eviction)
     skipped_at_plan = summary.skipped
 
     bar = _bar(progress and bool(todo), len(todo), "precompute", "entry")
@@ -210,7 +212,7 @@ def precompute(
             bar.update(n_entries)
 
     try:
-        stop_reason = write_chunks(engine, todo, batch_tokens, tally, on_done)
+        stop_reason = write_chunks(prefiller, todo, batch_tokens, tally, on_done)
     finally:
         if bar is not None:
             bar.close()

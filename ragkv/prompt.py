@@ -35,7 +35,7 @@ class Prompt:
     def num_tokens(self) -> int:
         return len(self.prefix_ids) + sum(map(len, self.chunk_ids)) + len(self.suffix_ids)
 
-    def chunk_starts(self) -> list[int]:
+    def chunk_positions(self) -> list[int]:
         starts, pos = [], len(self.prefix_ids)
         for c in self.chunk_ids:
             starts.append(pos)

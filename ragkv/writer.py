@@ -10,7 +10,7 @@
                   process wrote meanwhile counts as skipped; STOP_AFTER consecutive write failures of
                   one cause stop the job (``stop_reason``)
 
-``EngineSpec`` is what a worker needs to build the driver's engine (names and options, not objects).
+Both take a ``Prefiller`` (ragkv.prefill): the keys, policy and encoding the read path looks up.
 Every outcome goes through ``Tally.record`` (counts, and per key when ``Tally.keys`` is a list: what
 a Ray actor hands back to the driver instead of any K/V).
 """
@@ -20,13 +20,13 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ragkv.chunking import chunk_spans
 from ragkv.keys import KEY_PREFIX
 from ragkv.neighbours import neighbour_contexts
-from ragkv.policy import PrecomputePolicy, StorageFormat, batches
+from ragkv.prefill import batches
 
 STOP_AFTER = 3  # consecutive write failures of one cause that stop the job
 _MAX_REPORTED_ERRORS = 20
@@ -35,7 +35,7 @@ OUTCOMES = ("new", "repaired", "skipped", "failed", "not_attempted")
 
 class Job(NamedTuple):
     """One entry to compute: ``kind`` 'chunk' (behind the sink, the gap and ``context``) or 'lead'
-    (right behind the sink; ``context`` empty). BlendEngine.layout says what each kind is."""
+    (right behind the sink; ``context`` empty). ragkv.keys.Keyspace.layout says what each kind is."""
 
     key: str
     ids: list[int]
@@ -46,44 +46,6 @@ class Job(NamedTuple):
 def key_shard(key: str, n: int) -> int:
     """Shard of a chunk key: its blake2b digest mod n (stable across machines and runs)."""
     return int(key.removeprefix(KEY_PREFIX), 16) % n
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """Everything a worker needs to build the same BlendEngine as the driver: names and options,
-    never objects (a model is loaded where it runs). ``store_uri`` may hold a password: it is passed
-    to the actors and never shown (``redact_uri``)."""
-
-    model: str = "smollm2-135m"
-    model_dtype: str = "auto"
-    store_uri: str = ""
-    sink: str = "template"
-    gap: int | None = None
-    context: int = PrecomputePolicy.context
-    lead: bool = PrecomputePolicy.lead
-    namespace: str = ""
-    storage: StorageFormat | None = None  # None: entries in the model's dtype
-
-    def resolved(self) -> EngineSpec:
-        """'auto' replaced by this machine's choice, so machines of different kinds agree (the
-        dtype is part of every key)."""
-        from ragkv import models
-
-        return replace(self, model_dtype=str(models.parse_dtype(self.model_dtype)).removeprefix("torch."))
-
-    def policy(self) -> PrecomputePolicy:
-        return PrecomputePolicy(self.sink, self.gap, self.context, self.lead)
-
-    def build(self, store=None, config=None):
-        """The BlendEngine (``store``: an open store, else one opened from ``store_uri``)."""
-        from ragkv import models
-        from ragkv.blend import BlendEngine
-        from ragkv.store import open_store
-
-        model, tok = models.load(self.model, dtype=self.model_dtype)
-        store = open_store(self.store_uri) if store is None else store
-        return BlendEngine(model, tok, store, config, policy=self.policy(),
-                           storage=self.storage, namespace=self.namespace)
 
 
 @dataclass
@@ -126,12 +88,12 @@ def triage(store, key: str) -> str:
     lacking = len(store.missing_tiers(key))
     if lacking == 0:
         return "skipped"
-    if lacking < len(getattr(store, "tiers", [store])) and store.fill(key):
+    if lacking < len(store.tiers) and store.fill(key):
         return "repaired"
     return "todo"
 
 
-def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None,
+def plan(prefiller, docs, chunk_tokens: int, shard, tally: Tally, bar=None,
          keys: Collection[str] | None = None) -> list[Job]:
     """Chunk every document and triage each entry of each distinct chunk of ``shard`` ((I, N) or
     None, by the chunk's key: a chunk's entries stay together; and among ``keys`` when given, chunk
@@ -139,7 +101,7 @@ def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None,
 
     Under ``context=k`` a chunk's context is its k nearest chunks among every chunk of ``docs`` (all
     shards: every shard of one corpus picks the same neighbours); otherwise it is empty."""
-    template, store = engine.template, engine.store
+    template, store, keyspace = prefiller.template, prefiller.store, prefiller.keys
     seen: set[str] = set()
     pool: dict[str, list[int]] = {}  # every distinct chunk of the corpus, for neighbours
     todo: list[Job] = []
@@ -158,13 +120,13 @@ def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None,
             bar.set_postfix_str(f"{len(seen)} chunks", refresh=False)
         for s, e in spans:
             ids = template.chunk_ids(text[s:e])
-            key = engine.chunk_key(ids)
-            if engine.policy.context:
+            key = keyspace.chunk_key(ids)
+            if keyspace.context:
                 pool.setdefault(key, ids)
             if (shard and key_shard(key, shard[1]) != shard[0]) or (keys is not None and key not in keys) or key in seen:
                 continue
             seen.add(key)
-            for entry, kind in engine.entry_keys(ids):
+            for entry, kind in keyspace.entry_keys(ids):
                 verdict = triage(store, entry)
                 if verdict == "todo":
                     todo.append(Job(entry, ids, [], kind))
@@ -172,9 +134,9 @@ def plan(engine, docs, chunk_tokens: int, shard, tally: Tally, bar=None,
                     tally.record(entry, verdict, kind=kind)
     tally.summary.chunks = len(seen)
     gap_jobs = [j for j in todo if j.kind == "chunk"]
-    if not engine.policy.context or not gap_jobs:
+    if not keyspace.context or not gap_jobs:
         return todo
-    contexts = iter(neighbour_contexts([j.ids for j in gap_jobs], list(pool.values()), engine.policy.context))
+    contexts = iter(neighbour_contexts([j.ids for j in gap_jobs], list(pool.values()), keyspace.context))
     return [j._replace(context=next(contexts)) if j.kind == "chunk" else j for j in todo]
 
 
@@ -183,8 +145,8 @@ class EntryWriter:
     are already waiting (bounds memory). ``stop_reason`` is set after STOP_AFTER consecutive write
     failures of one cause; the job then stops submitting."""
 
-    def __init__(self, engine, tally: Tally, on_done, depth: int = 1):
-        self.engine, self.tally, self.on_done = engine, tally, on_done
+    def __init__(self, prefiller, tally: Tally, on_done, depth: int = 1):
+        self.prefiller, self.tally, self.on_done = prefiller, tally, on_done
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.stop_reason: str | None = None
         self.written: set[str] = set()  # keys given an outcome here
@@ -206,7 +168,7 @@ class EntryWriter:
         self.thread.join()
 
     def _run(self) -> None:
-        eng = self.engine
+        pf = self.prefiller
         while (item := self.q.get()) is not None:
             batch, kvs = item
             for (key, ids, _, kind), kv in zip(batch, kvs):
@@ -214,8 +176,8 @@ class EntryWriter:
                     break
                 self.written.add(key)
                 try:
-                    wrote = eng.write_entry(key, ids, kv, kind)
-                    if not wrote and eng.store.missing_tiers(key):  # e.g. every tier failed (logged)
+                    wrote = pf.write(key, ids, kv, kind)
+                    if not wrote and pf.store.missing_tiers(key):  # e.g. every tier failed (logged)
                         raise RuntimeError("the store took nothing (see its log)")
                 except Exception as e:  # a failed write never aborts the job by itself
                     self._failed(key, kind, e)
@@ -247,18 +209,18 @@ def job_batches(todo: list[Job], sink_len: int, batch_tokens: int) -> list[list[
     return out
 
 
-def write_chunks(engine, todo: list[Job], batch_tokens: int, tally: Tally,
+def write_chunks(prefiller, todo: list[Job], batch_tokens: int, tally: Tally,
                  on_done=lambda n_entries, n_tokens: None):
     """Prefill (as its kind, behind its context) and write every Job of ``todo``; -> the stop reason
     (None: every entry was attempted). Entries left unattempted by a stop are recorded as 'not_attempted'."""
-    writer = EntryWriter(engine, tally, on_done)
+    writer = EntryWriter(prefiller, tally, on_done)
     try:
-        for batch in job_batches(todo, len(engine.sink_ids), batch_tokens):
+        for batch in job_batches(todo, len(prefiller.keys.sink_ids), batch_tokens):
             if writer.stop_reason:
                 break
             try:
-                kvs = engine.prefill_chunks([j.ids for j in batch], batch_tokens, kind=batch[0].kind,
-                                            contexts=[j.context for j in batch])
+                kvs = prefiller.prefill([j.ids for j in batch], batch[0].kind, [j.context for j in batch],
+                                        batch_tokens)
             except Exception as e:
                 for key, _, _, kind in batch:
                     writer.written.add(key)

@@ -18,7 +18,6 @@ from ragkv.blend import (
     BlendConfig,
     BlendEngine,
     DeviationSelector,
-    HybridSelector,
     QuerySelector,
     StartsSelector,
 )
@@ -26,7 +25,7 @@ from ragkv.blend import attention as attention_mod
 from ragkv.blend import cache as cache_mod
 from ragkv.blend.select import SelectionRequest
 from ragkv.kernels import dispatch as ops
-from ragkv.policy import prefill_kv
+from ragkv.prefill import prefill_kv
 from ragkv.prompt import Prompt
 from ragkv.store.memory import MemoryStore
 
@@ -63,7 +62,7 @@ def engine(model, **cfg) -> BlendEngine:
 def test_rerotation_equals_prefill_at_new_offset_every_layer(rope):
     model = models.tiny_model("llama", rope_parameters=ROPES[rope])
     ids = torch.randint(10, 500, (37,), generator=torch.Generator().manual_seed(1)).tolist()
-    (stored,) = prefill_kv(model, [], [ids])  # computed alone at positions 0..36
+    (stored,) = prefill_kv(ModelAdapter.of(model), [], [ids])  # computed alone at positions 0..36
     inv_freq = ModelAdapter.of(model).inv_freq
     for offset in (5, 300):
         cache = DynamicCache(config=model.config)
@@ -128,12 +127,12 @@ def _store_exact_caches(eng: BlendEngine, model, prompt: Prompt) -> None:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model.model(input_ids=torch.tensor([prompt.input_ids]), use_cache=True, **cache_arg(model, cache))
-    pieces = [(eng.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix-v1")]
-    pieces += [(eng.chunk_key(ids), ids, s, eng.policy_id) for ids, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
-    for key, ids, start, policy in pieces:
+    pieces = [(eng.keys.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix")]
+    pieces += [(eng.keys.chunk_key(ids), ids, s, "chunk") for ids, s in zip(prompt.chunk_ids, prompt.chunk_positions())]
+    for key, ids, start, kind in pieces:
         layers = [(lay.keys[0, :, start : start + len(ids)].clone(), lay.values[0, :, start : start + len(ids)].clone())
                   for lay in cache.layers]
-        assert eng.store.put(eng.entry_meta(key, ids, start, policy), layers)
+        assert eng.store.put(replace(eng.keys.meta(key, ids, kind), start_pos=start), layers)
 
 
 def _bottom_right_mask(q_pos, total, dtype):
@@ -144,7 +143,7 @@ def _bottom_right_mask(q_pos, total, dtype):
 
 def _perturb(eng: BlendEngine, ids, token_rows, amount=3.0) -> None:
     """Shift the cached K and V of some tokens of a stored chunk by ``amount`` in every layer."""
-    key = eng.chunk_key(ids)
+    key = eng.keys.chunk_key(ids)
     entry = eng.store.get(key)
     layers = []
     for k, v in entry.layers:
@@ -193,9 +192,9 @@ def _naive_reference(model, eng: BlendEngine, prompt: Prompt):
     concatenated after the prefix, then the suffix run through the model on top."""
     rot = model.model.rotary_emb
     ks, vs = [[] for _ in range(eng.adapter.num_layers)], [[] for _ in range(eng.adapter.num_layers)]
-    entries = [(eng.store.get(eng.prefix_key(prompt.prefix_ids)), 0)]
-    keys = [eng.lead_key(ids) if i == 0 and eng.lead else eng.chunk_key(ids) for i, ids in enumerate(prompt.chunk_ids)]
-    entries += [(eng.store.get(key), s) for key, s in zip(keys, prompt.chunk_starts())]
+    entries = [(eng.store.get(eng.keys.prefix_key(prompt.prefix_ids)), 0)]
+    keys = [eng.keys.lead_key(ids) if i == 0 and eng.keys.lead else eng.keys.chunk_key(ids) for i, ids in enumerate(prompt.chunk_ids)]
+    entries += [(eng.store.get(key), s) for key, s in zip(keys, prompt.chunk_positions())]
     for entry, start in entries:
         n = entry.meta.num_tokens
         cos, sin = rot(torch.zeros(1), torch.full((1, n), start - entry.meta.start_pos))
@@ -237,9 +236,9 @@ def test_suffix_is_active_in_every_layer_and_selection_has_the_ratio(monkeypatch
     seen = []
     orig = cache_mod.FusedCache.update
 
-    def spy(self, layer_idx, k, v):
-        seen.append((layer_idx, self.active.clone()))
-        return orig(self, layer_idx, k, v)
+    def spy(self, layer_idx, k, v, positions):
+        seen.append((layer_idx, positions.clone()))
+        return orig(self, layer_idx, k, v, positions)
 
     monkeypatch.setattr(cache_mod.FusedCache, "update", spy)
     res = eng.prefill_prompt(prompt, ratio=0.2)
@@ -300,31 +299,37 @@ class _KVRecorder:
     def __init__(self):
         self.written = []
 
-    def update(self, li, k, v):
+    def update(self, li, k, v, positions):
         self.written.append((li, k.clone(), v.clone()))
         return k, v
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_layer_kv_writes_the_layers_kv_and_runs_nothing_after_it(attn):
+def test_layer_kv_gives_the_layers_kv_and_runs_neither_attention_nor_mlp(attn, monkeypatch):
     model = models.tiny_model("llama", attn_implementation=attn)
     a = ModelAdapter.of(model)
     hidden = torch.randn(1, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     pos = torch.tensor([0, 2, 3, 7, 8, 11, 12, 13, 20])
-    mlp_calls = []
+    mlp_calls, attention_calls = [], []
     model.model.layers[1].mlp.register_forward_hook(lambda *_: mlp_calls.append(1))
-    full, only = _KVRecorder(), _KVRecorder()
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *x, **kw: attention_calls.append(1) or real_sdpa(*x, **kw))
+    monkeypatch.setattr(torch, "matmul", lambda *x, f=torch.matmul, **kw: attention_calls.append(1) or f(*x, **kw))
+    full = _KVRecorder()
     with torch.no_grad():
         a.run_layer(1, hidden, pos, full, attention_mask=attention_mod.causal_mask_by_position(pos, 21, torch.float32)[..., pos])
-        assert a.layer_kv(1, hidden, pos, only) is None
-    assert len(mlp_calls) == 1  # run_layer's; layer_kv stopped at the cache write
-    ((li, k, v),), ((li2, k2, v2),) = full.written, only.written
-    assert li == li2 == 1
+        assert len(mlp_calls) == 1 and attention_calls  # run_layer's
+        attention_calls.clear()
+        k2, v2 = a.layer_kv(1, hidden, pos)
+    assert len(mlp_calls) == 1 and not attention_calls  # layer_kv ran neither
+    ((li, k, v),) = full.written
+    assert li == 1
     torch.testing.assert_close(k2, k, rtol=0, atol=0)
     torch.testing.assert_close(v2, v, rtol=0, atol=0)
     model.model.layers[1].self_attn.forward = lambda hidden_states, *args, **kw: (hidden_states, None)  # writes no K/V
-    with pytest.raises(UnsupportedModelError, match="layer 1 of LlamaForCausalLM ran to the end without writing its K/V"):
-        a.layer_kv(1, hidden, pos, _KVRecorder())
+    with pytest.raises(UnsupportedModelError, match="attention of layer 1 of LlamaForCausalLM wrote no K/V"):
+        a.layer_kv(1, hidden, pos)
 
 
 def test_check_layers_give_what_running_the_whole_layer_over_every_active_row_gives(monkeypatch):
@@ -339,8 +344,10 @@ def test_check_layers_give_what_running_the_whole_layer_over_every_active_row_gi
     narrowed = eng.prefill_prompt(prompt, ratio=0.2)
     a = eng.adapter
 
-    def whole_layer(li, hidden, positions, cache, position_embeddings=None):  # what a check layer did before layer_kv
-        a.run_layer(li, hidden, positions, cache, attention=position_attention, ragkv_q_pos=positions)
+    def whole_layer(li, hidden, positions, position_embeddings=None):  # what a check layer did before layer_kv
+        recorder = _KVRecorder()
+        a.run_layer(li, hidden, positions, recorder, attention=position_attention, ragkv_q_pos=positions)
+        return recorder.written[0][1:]
 
     monkeypatch.setattr(a, "layer_kv", whole_layer)
     whole = eng.prefill_prompt(prompt, ratio=0.2)
@@ -379,7 +386,7 @@ def test_missing_and_corrupt_entries_are_recomputed_and_written_back(tmp_path):
     assert second.stats.misses == 0 and second.stats.hits == 3
     torch.testing.assert_close(first.logits, second.logits, atol=1e-5, rtol=0)
     # damage chunk 1's header (lookup: a miss) and flip a byte of chunk 2's last layer (found mid-request)
-    k1, k2 = (eng.chunk_key(ids) for ids in prompt.chunk_ids[1:])
+    k1, k2 = (eng.keys.chunk_key(ids) for ids in prompt.chunk_ids[1:])
     data = bytearray(store.path(k1).read_bytes())
     data[40] ^= 0xFF
     store.path(k1).write_bytes(bytes(data))
@@ -447,7 +454,7 @@ def test_entries_are_pinned_while_a_request_reads_them():
     store._load = spy
     eng.prefill_prompt(prompt, ratio=0.3)
     assert seen and all(seen)
-    assert not any(store.is_pinned(eng.chunk_key(ids)) for ids in prompt.chunk_ids)
+    assert not any(store.is_pinned(eng.keys.chunk_key(ids)) for ids in prompt.chunk_ids)
 
 
 @pytest.mark.parametrize("sink,gap", [("none", 0), ("bos", 0), ("template", 0), ("template", 300)])
@@ -459,15 +466,15 @@ def test_every_precompute_policy_blends_exactly_at_ratio_one(sink, gap):
     eng = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(sink, gap, int(gap > 0)))
     eng.prefill_prompt(prompt)
     sink_len = {"none": 0, "bos": 1, "template": 4}[sink]
-    meta = eng.store.get_meta(eng.chunk_key(prompt.chunk_ids[1]))
-    assert meta.start_pos == sink_len + gap == eng.chunk_start
-    first = eng.lead_key(prompt.chunk_ids[0]) if gap else eng.chunk_key(prompt.chunk_ids[0])  # gap 0: its own lead
+    meta = eng.store.get_meta(eng.keys.chunk_key(prompt.chunk_ids[1]))
+    assert meta.start_pos == sink_len + gap == eng.keys.chunk_start
+    first = eng.keys.lead_key(prompt.chunk_ids[0]) if gap else eng.keys.chunk_key(prompt.chunk_ids[0])  # gap 0: its own lead
     assert eng.store.get_meta(first).start_pos == sink_len
     res = eng.prefill_prompt(prompt, ratio=1.0)
     assert res.stats.hits == 3
     torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
     other = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(sink, gap + 1, int(gap > 0)))
-    assert other.chunk_key(prompt.chunk_ids[0]) != eng.chunk_key(prompt.chunk_ids[0])  # policies never mix
+    assert other.keys.chunk_key(prompt.chunk_ids[0]) != eng.keys.chunk_key(prompt.chunk_ids[0])  # policies never mix
 
 
 def test_default_policy_gap_follows_the_context_and_long_chunks_are_refused():
@@ -475,10 +482,10 @@ def test_default_policy_gap_follows_the_context_and_long_chunks_are_refused():
 
     model = models.tiny_model("llama")  # 2048 positions
     eng = engine(model)
-    assert eng.policy.gap == 512 and eng.chunk_start == len(TEMPLATE.prefix_ids) + 512
-    assert PrecomputePolicy().resolve(models.tiny_model("llama", max_position_embeddings=8192)).gap == 1024
+    assert eng.prefiller.policy.gap == 512 and eng.keys.chunk_start == len(TEMPLATE.prefix_ids) + 512
+    assert PrecomputePolicy().resolve(8192).gap == 1024 and PrecomputePolicy().resolve(None).gap == 1024
     with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
-        eng.prefill_chunks([list(range(10, 1600))])
+        eng.prefiller.prefill([list(range(10, 1600))])
     assert eng.config.selector.layers_for(eng.adapter.num_layers) == [1]  # (1, 3, 6) cut to a 4-layer model
 
 
@@ -533,12 +540,7 @@ def test_auto_ratio_works_with_every_selector(name):
 
 
 @pytest.mark.parametrize("selector", [DeviationSelector(), DeviationSelector(check_layers=(2,), signal="kv"),
-                                      QuerySelector(), QuerySelector(rows=2, heads="max", smooth=1, chunk_starts=1),
-                                      QuerySelector(depth=2, skip_layers=1), QuerySelector(full_layers=2),
-                                      HybridSelector(),
-                                      HybridSelector(widen=3.0, check_layer=1, fuse="deviation"),
-                                      HybridSelector(widen=2.0, fuse="rank"), QuerySelector(value_norm=True),
-                                      StartsSelector()])
+                                      QuerySelector(), QuerySelector(rows=2, offset_decay=0.0), StartsSelector()])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
     model = models.tiny_model("llama", attn_implementation=attn)
@@ -567,7 +569,7 @@ def test_probe_attention_is_causal_by_position_and_hands_out_its_probabilities(q
         layer_idx = 4
 
     out, _ = attention_mod.probe_attention(Layer(), q, k, v, None, scaling=0.3, ragkv_q_pos=pos,
-                                           ragkv_capture=lambda li, probs, values: seen.update(li=li, probs=probs))
+                                           ragkv_capture=lambda li, probs: seen.update(li=li, probs=probs))
     ref = blend_attention_torch(q[0], k[0], v[0], pos, sm_scale=0.3)  # [Hq, n, D]
     torch.testing.assert_close(out[0].transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
     logits = torch.einsum("hnd,htd->hnt", q[0], k[0].repeat_interleave(group, 0)) * 0.3
@@ -607,7 +609,7 @@ def test_query_selector_picks_what_the_question_attends_to():
     model = models.tiny_model("llama", attn_implementation="eager")
     prompt = make_prompt(seed=37, sizes=(30, 25, 35))
     P, C = len(prompt.prefix_ids), 90
-    sel = QuerySelector.attention_only()
+    sel = QuerySelector(rows=None, offset_decay=0.0)  # the attention of every suffix row alone
     eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=sel), template=TEMPLATE)
     _store_exact_caches(eng, model, prompt)
     with torch.no_grad():
@@ -626,41 +628,16 @@ def test_query_selector_picks_what_the_question_attends_to():
     assert top in eng.prefill_prompt(prompt, ratio=0.02).selected.tolist()
 
 
-def test_value_norm_weights_the_question_attention_by_each_value():
-    """value_norm scores a chunk token by (attention of the suffix) x ||V|| per KV head, computed
-    here independently from HF's eager attention and full prefill's cache."""
-    model = models.tiny_model("llama", attn_implementation="eager")
-    prompt = make_prompt(seed=37, sizes=(30, 25, 35))
-    P, C, S = len(prompt.prefix_ids), 90, len(prompt.suffix_ids)
-    sel = QuerySelector.attention_only(value_norm=True)
-    eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=sel), template=TEMPLATE)
-    _store_exact_caches(eng, model, prompt)
-    with torch.no_grad():
-        out = model(torch.tensor([prompt.input_ids]), output_attentions=True, use_cache=True)
-    kv_heads = model.config.num_key_value_heads
-    score = torch.zeros(C)
-    for att, layer in zip(out.attentions, out.past_key_values.layers):  # [1, Hq, T, T], values [1, Hkv, T, D]
-        a = att[0, :, -S:, P : P + C].float().mean(1)  # [Hq, C]
-        vn = layer.values[0, :, P : P + C].float().norm(dim=-1)  # [Hkv, C]
-        a = (a.view(kv_heads, -1, C) * vn[:, None]).reshape(-1, C).mean(0)
-        score += a / a.sum()
-    res = eng.prefill_prompt(prompt, ratio=0.1)
-    assert set(res.selected.tolist()) == set((torch.topk(score, 9).indices + P).tolist())
-    plain = BlendEngine(model, None, eng.store, BlendConfig(selector=replace(sel, value_norm=False)), template=TEMPLATE)
-    assert set(plain.prefill_prompt(prompt, ratio=0.1).selected.tolist()) != set(res.selected.tolist())
-
-
-def test_query_starts_weights_the_question_attention_by_each_tokens_offset_in_its_chunk():
-    """starts=b multiplies a token's attention score by (1 + offset in its chunk) ** -b: with even
+def test_query_offset_decay_weights_the_question_attention_by_each_tokens_offset_in_its_chunk():
+    """offset_decay=b multiplies a token's attention score by (1 + offset in its chunk) ** -b: with even
     attention the chunks' first tokens win; a token the question reads much more still wins; an
     exact lead chunk (its stored K/V are full prefill's) ranks last whatever it is given."""
     def selected(attention, starts, lead=False, ratio=2 / 8):
         att = torch.tensor(attention)
         req = SelectionRequest(prefix_len=0, chunk_len=8, total=9, chunk_bounds=((0, 4), (4, 4)), ratio=ratio,
                                num_layers=2, lead=lead,
-                               probe=lambda observe, layers=None: [observe(li, att.view(1, 1, 8), torch.zeros(1, 8, 2))
-                                                                   for li in range(2)])
-        return QuerySelector(rows=None, starts=starts).schedule(req).start.tolist()
+                               probe=lambda observe: [observe(li, att.view(1, 1, 8)) for li in range(2)])
+        return QuerySelector(rows=None, offset_decay=starts).schedule(req).start.tolist()
 
     even = [1.0] * 8
     assert selected(even, starts=1.0) == [0, 4]
@@ -672,8 +649,11 @@ def test_query_starts_weights_the_question_attention_by_each_tokens_offset_in_it
     lead_read = [9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     assert selected(lead_read, starts=0.0, lead=True, ratio=4 / 8) == [4, 5, 6, 7]  # exact rows last, prior or not
     for bad in (-1.0, True, "1", float("inf")):
-        with pytest.raises(ValueError, match="starts must be a number >= 0"):
-            QuerySelector(starts=bad)
+        with pytest.raises(ValueError, match="offset_decay must be a number >= 0"):
+            QuerySelector(offset_decay=bad)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="rows must be an integer >= 1 or None"):
+            QuerySelector(rows=bad)
 
 
 def test_starts_recomputes_the_first_tokens_of_every_chunk_evenly():
@@ -692,24 +672,6 @@ def test_starts_recomputes_the_first_tokens_of_every_chunk_evenly():
     assert rows(20 / 24, lead=True) == [*range(6), *range(10, 24)]  # chunks 2 and 3 whole, then the lead chunk
     assert rows(9 / 24, bounds=((0, 2), (2, 22))) == [0, 1, *range(2, 9)]
     assert rows(1.0) == list(range(24))
-
-
-def test_hybrid_product_keeps_attention_times_deviation():
-    """fuse="product" ranks by attention x ||V error|| (the first-order effect on the question's
-    output); rank fusion would keep the token with a huge error the question barely reads."""
-    prior = torch.tensor([0.6, 0.01, 0.2, 0.19])
-    req = SelectionRequest(prefix_len=0, chunk_len=4, total=5, chunk_bounds=((0, 4),), ratio=0.5, num_layers=4,
-                           probe=lambda observe, layers=None: [observe(li, prior.view(1, 1, 4), torch.zeros(1, 4, 2))
-                                                               for li in range(4)])
-    cached = torch.zeros(1, 4, 1)
-    fresh = torch.tensor([0.5, 10.0, 2.0, 1.0]).view(1, 4, 1)  # V error norms; x attention: .3 .1 .4 .19
-    product = HybridSelector(widen=2.0, fuse="product").schedule(req)
-    assert product.start.tolist() == [0, 1, 2, 3] and product.checks == {2: 2}
-    assert set(torch.topk(product.score(None, None, fresh, cached), 2).indices.tolist()) == {0, 2}
-    deviation = HybridSelector(widen=2.0, fuse="deviation").schedule(req)
-    assert set(torch.topk(deviation.score(None, None, fresh, cached), 2).indices.tolist()) == {1, 2}
-    with pytest.raises(ValueError, match="fuse must be one of"):
-        HybridSelector(fuse="sum")
 
 
 def test_query_probe_reads_each_stored_layer_once(monkeypatch):
@@ -746,10 +708,8 @@ def test_every_entry_point_defaults_to_the_engines_selector():
 
 def test_selectors_are_chosen_by_name_and_unknown_names_are_refused():
     assert isinstance(BlendConfig(selector="query").selector, QuerySelector)
-    with pytest.raises(ValueError, match="unknown selector 'psychic'; valid: deviation, query, hybrid"):
+    with pytest.raises(ValueError, match="unknown selector 'psychic'; valid: deviation, query, starts"):
         BlendConfig(selector="psychic")
-    with pytest.raises(ValueError, match="heads"):
-        QuerySelector(heads="median")
 
 
 # ---------------------------------------------------------------- no process-wide side effects

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from ragkv.cli import main
 from ragkv.policy import StorageFormat
 from ragkv.precompute import precompute
+from ragkv.spec import EngineSpec
 from ragkv.store import open_store
-from ragkv.writer import EngineSpec
 
 pytestmark = pytest.mark.redis
 
@@ -66,7 +66,7 @@ def test_ray_job_writes_the_local_jobs_keys_resumes_and_another_process_reads_th
     local_uri, ray_uri = spaces
     spec = EngineSpec(str(tiny_smollm2_dir), "float32", storage=StorageFormat("float16"))
     with open_store(local_uri) as store:
-        local = precompute(spec.build(store), paths=[DOCS], chunk_tokens=CHUNK)
+        local = precompute(spec.prefiller(store), paths=[DOCS], chunk_tokens=CHUNK)
     first = precompute_ray(EngineSpec(**{**spec.__dict__, "store_uri": ray_uri}), paths=[DOCS],
                            chunk_tokens=CHUNK, workers=2)
     assert local.failed == 0 and local.new == 2 * local.chunks and local.chunks > 10  # (+ lead entries)
@@ -141,7 +141,7 @@ def test_the_actor_and_the_merge_without_ray_give_the_local_summary(tiny_smollm2
     local_uri, ray_uri = spaces
     spec = EngineSpec(str(tiny_smollm2_dir), "float32")
     with open_store(local_uri) as store:
-        local = precompute(spec.build(store), paths=[DOCS], chunk_tokens=CHUNK)
+        local = precompute(spec.prefiller(store), paths=[DOCS], chunk_tokens=CHUNK)
     docs = read_documents([DOCS], (), Report([], []))
     a, b = (_PrecomputeActor(EngineSpec(**{**spec.__dict__, "store_uri": ray_uri}), CHUNK, 4096, 1) for _ in "ab")
     work = units(docs, 2)

@@ -162,10 +162,10 @@ def test_selectors_side_by_side(tmp_path, tiny_smollm2_dir):
     out = tmp_path / "r.json"
     r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--model", str(tiny_smollm2_dir), "--store", "memory",
                                   "--model-dtype", "float32", "--ratios", "0,0.15,1", "--selectors",
-                                  "deviation,query,hybrid", "--tokens", "4", "--json", str(out)])
+                                  "deviation,query,starts", "--tokens", "4", "--json", str(out)])
     assert r.exit_code == 0, r.output
     methods = json.loads(out.read_text())["methods"]
-    assert set(methods) == {"full", "0", "1", "deviation@0.15", "query@0.15", "hybrid@0.15"}
+    assert set(methods) == {"full", "0", "1", "deviation@0.15", "query@0.15", "starts@0.15"}
     assert all(name in r.output for name in methods)
     assert methods["1"]["fidelity"] == 1.0  # ratio 0 and 1 are the same for every selector: run once
     # every method is on the front or beaten by one that is listed, in the JSON and on screen

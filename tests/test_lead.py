@@ -13,6 +13,7 @@ from ragkv.blend import BlendConfig, BlendEngine, StartsSelector
 from ragkv.chunking import chunk_document
 from ragkv.policy import PrecomputePolicy
 from ragkv.precompute import precompute
+from ragkv.prefill import Prefiller
 from ragkv.store.memory import MemoryStore
 
 
@@ -33,13 +34,13 @@ def test_lead_entry_is_the_first_chunks_full_prefill_kv():
     prompt = make_prompt(seed=3)
     eng = engine(model)
     first = prompt.chunk_ids[0]
-    (lead,) = eng.prefill_chunks([first], kind="lead")
+    (lead,) = eng.prefiller.prefill([first], "lead")
     _, keys = full(model, prompt)
     P = len(prompt.prefix_ids)
     for li, (k, _) in enumerate(lead):
         torch.testing.assert_close(k, keys[li][:, P : P + len(first)], atol=1e-5, rtol=0, msg=f"layer {li}")
-    assert eng.layout("lead") == (len(TEMPLATE.prefix_ids), eng.lead_id)
-    assert eng.lead_key(first) != eng.chunk_key(first)
+    assert eng.keys.layout("lead") == (len(TEMPLATE.prefix_ids), eng.keys.lead_id)
+    assert eng.keys.lead_key(first) != eng.keys.chunk_key(first)
 
 
 def test_one_chunk_prompt_at_ratio_zero_equals_full_prefill_only_with_lead():
@@ -64,15 +65,15 @@ def test_precompute_writes_both_entries_and_reruns_skip_them(tiny_smollm2):
     model, tok = tiny_smollm2
     eng = BlendEngine(model, tok, MemoryStore(), policy=PrecomputePolicy(context=0))
     docs = ["The lighthouse keeper counted the ships every night. " * 6, "Sourdough needs a starter. " * 8]
-    s = precompute(eng, texts=docs, chunk_tokens=32)
+    s = precompute(eng.prefiller, texts=docs, chunk_tokens=32)
     assert s.new == 2 * s.chunks and s.failed == 0
     chunks = [eng.template.chunk_ids(c) for d in docs for c in chunk_document(d, eng.template, 32)]
-    assert len({eng.chunk_key(c) for c in chunks}) == s.chunks
+    assert len({eng.keys.chunk_key(c) for c in chunks}) == s.chunks
     for ids in chunks:
-        meta = eng.store.get_meta(eng.lead_key(ids))
-        assert meta.start_pos == len(eng.sink_ids) and meta.policy == eng.lead_id
-        assert eng.store.get_meta(eng.chunk_key(ids)).start_pos == eng.chunk_start
-    again = precompute(eng, texts=docs, chunk_tokens=32)
+        meta = eng.store.get_meta(eng.keys.lead_key(ids))
+        assert meta.start_pos == len(eng.keys.sink_ids) and meta.policy == eng.keys.lead_id
+        assert eng.store.get_meta(eng.keys.chunk_key(ids)).start_pos == eng.keys.chunk_start
+    again = precompute(eng.prefiller, texts=docs, chunk_tokens=32)
     assert again.new == 0 and again.skipped == 2 * again.chunks
 
 
@@ -81,16 +82,16 @@ def test_precompute_with_lead_over_a_store_without_adds_only_the_lead_entries(ti
     model, tok = tiny_smollm2
     store = MemoryStore()
     docs = ["The lighthouse keeper counted the ships every night. " * 6, "Sourdough needs a starter. " * 8]
-    old = precompute(BlendEngine(model, tok, store, policy=PrecomputePolicy(context=0, lead=False)), texts=docs,
+    old = precompute(Prefiller(model, tok, store, policy=PrecomputePolicy(context=0, lead=False)), texts=docs,
                      chunk_tokens=32)
     assert old.new == old.chunks > 1
     gap_keys = list(store.keys())
     gap_entries = {k: store.get_meta(k) for k in gap_keys}
     eng = BlendEngine(model, tok, store, policy=PrecomputePolicy(context=0))
-    up = precompute(eng, texts=docs, chunk_tokens=32)
+    up = precompute(eng.prefiller, texts=docs, chunk_tokens=32)
     assert up.new == up.skipped == up.chunks == old.chunks and up.failed == 0
     assert {k: store.get_meta(k) for k in gap_entries} == gap_entries  # untouched
-    assert sum(m.policy == eng.lead_id for m in map(store.get_meta, list(store.keys()))) == up.chunks
+    assert sum(m.policy == eng.keys.lead_id for m in map(store.get_meta, list(store.keys()))) == up.chunks
 
 
 def test_a_store_without_lead_entries_serves_the_gap_entry_and_gains_nothing():
@@ -104,7 +105,7 @@ def test_a_store_without_lead_entries_serves_the_gap_entry_and_gains_nothing():
     n = len(list(store.keys()))
     res = engine(model, store).prefill_prompt(prompt, ratio=0.15)
     assert res.stats.hits == 3 and res.stats.misses == 0 and not res.stats.lead
-    assert len(list(store.keys())) == n and not store.contains(old.lead_key(prompt.chunk_ids[0]))
+    assert len(list(store.keys())) == n and not store.contains(old.keys.lead_key(prompt.chunk_ids[0]))
     torch.testing.assert_close(res.logits, expected.logits, atol=0, rtol=0)
 
 
@@ -115,15 +116,15 @@ def test_a_first_chunk_missing_everywhere_is_computed_as_its_lead_entry():
     res = eng.prefill_prompt(prompt, ratio=0.15)
     assert res.stats.misses == 3 and res.stats.lead
     first, *rest = prompt.chunk_ids
-    assert eng.store.contains(eng.lead_key(first)) and not eng.store.contains(eng.chunk_key(first))
-    assert all(eng.store.contains(eng.chunk_key(c)) and not eng.store.contains(eng.lead_key(c)) for c in rest)
+    assert eng.store.contains(eng.keys.lead_key(first)) and not eng.store.contains(eng.keys.chunk_key(first))
+    assert all(eng.store.contains(eng.keys.chunk_key(c)) and not eng.store.contains(eng.keys.lead_key(c)) for c in rest)
     again = eng.prefill_prompt(prompt, ratio=0.15)  # from the store now: the same logits
     assert again.stats.hits == 3 and again.stats.lead
     torch.testing.assert_close(again.logits, res.logits, atol=1e-5, rtol=0)
     # the same chunk second in another prompt reads its gap entry (computed now)
     swapped = type(prompt)(prompt.prefix_ids, [rest[0], first, *rest[1:]], prompt.suffix_ids)
     eng.prefill_prompt(swapped, ratio=0.15)
-    assert eng.store.contains(eng.chunk_key(first))
+    assert eng.store.contains(eng.keys.chunk_key(first))
 
 
 def test_ensure_writes_both_entries_of_every_chunk(tiny_smollm2):
@@ -132,8 +133,8 @@ def test_ensure_writes_both_entries_of_every_chunk(tiny_smollm2):
     docs = ["Tea is brewed from the leaves of Camellia sinensis.", "Rivers carry boats to the sea."]
     keys, computed = eng.ensure(docs)
     chunks = eng.template.chunks(docs, None)
-    assert computed == 2 and keys == [eng.chunk_key(c) for c in chunks]
-    assert sorted(eng.store.keys()) == sorted(k for c in chunks for k, _ in eng.entry_keys(c))
+    assert computed == 2 and keys == [eng.keys.chunk_key(c) for c in chunks]
+    assert sorted(eng.store.keys()) == sorted(k for c in chunks for k, _ in eng.keys.entry_keys(c))
     assert len(list(eng.store.keys())) == 4
     assert eng.ensure(docs) == (keys, 0)
 
@@ -143,9 +144,9 @@ def test_gap_zero_needs_no_lead_entry(tiny_smollm2):
     first chunk reads it (no lead key is ever written or looked up)."""
     model, tok = tiny_smollm2
     eng = BlendEngine(model, tok, MemoryStore(), policy=PrecomputePolicy(gap=0, context=0, lead=True))
-    assert not eng.lead and eng.chunk_start == eng.lead_start
+    assert not eng.keys.lead and eng.keys.chunk_start == eng.keys.lead_start
     docs = ["The lighthouse keeper counted the ships every night. " * 6]
-    s = precompute(eng, texts=docs, chunk_tokens=32)
+    s = precompute(eng.prefiller, texts=docs, chunk_tokens=32)
     assert s.new == s.chunks > 0
     chunks = chunk_document(docs[0], eng.template, 32)
     res = eng.prefill("Who counted the ships?", chunks, ratio=0.15)
@@ -173,7 +174,7 @@ def test_selectors_are_told_when_the_first_chunk_is_its_lead_entry():
     engine(model, old, lead=False).prefill_prompt(prompt, ratio=0)  # a store written without lead entries
     for store, lead in ((MemoryStore(), True), (old, False)):
         eng = BlendEngine(model, None, store, BlendConfig(selector=spy, pipelined=False), template=TEMPLATE)
-        assert eng.sink_ids == prompt.prefix_ids  # (the template sink: a lead entry is exact)
+        assert list(eng.keys.sink_ids) == prompt.prefix_ids  # (the template sink: a lead entry is exact)
         eng.prefill_prompt(prompt, ratio=0)  # (the store now holds what this reader needs)
         res = eng.prefill_prompt(prompt, ratio=0.5)
         assert spy.seen[-1] is lead and res.stats.lead is lead

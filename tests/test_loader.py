@@ -90,7 +90,7 @@ def test_failing_layer_is_recomputed(mode):
     prompt = make_prompt(seed=2, sizes=SIZES)
     store = MemoryStore()
     ref = healthy_run(model, prompt, store)
-    bad_key = engine(model, store, True).chunk_key(prompt.chunk_ids[1])
+    bad_key = engine(model, store, True).keys.chunk_key(prompt.chunk_ids[1])
     res = engine(model, FlakyStore(store, bad_key, 2, mode), True).prefill_prompt(prompt)
     if mode == "raise":  # an outage, counted as such
         assert res.stats.store_errors == 1 and res.stats.vanished == 0
@@ -115,7 +115,7 @@ def test_corrupt_disk_layer_midway_is_recomputed(tmp_path):
     store = DiskStore(tmp_path / "kv", fsync=False)
     ref = healthy_run(model, prompt, store)
     eng = engine(model, store, True)
-    key = eng.chunk_key(prompt.chunk_ids[2])
+    key = eng.keys.chunk_key(prompt.chunk_ids[2])
     _corrupt_layer_on_disk(store, key, 2)  # the header is intact: the lookup passes, layer 2 fails
     res = eng.prefill_prompt(prompt)
     assert res.stats.hits == 4 and res.stats.corrupt == 1 and res.stats.vanished == res.stats.store_errors == 0

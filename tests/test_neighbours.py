@@ -16,8 +16,9 @@ from ragkv.blend import BlendEngine
 from ragkv.chunking import chunk_document
 from ragkv.cli import main
 from ragkv.neighbours import lexical_neighbours, neighbour_contexts
-from ragkv.policy import PrecomputePolicy, prefill_kv
+from ragkv.policy import PrecomputePolicy
 from ragkv.precompute import precompute
+from ragkv.prefill import Prefiller, prefill_kv
 from ragkv.store import open_store
 from ragkv.store.memory import MemoryStore
 
@@ -73,25 +74,25 @@ def test_a_chunk_behind_its_context_is_the_chunk_rows_of_one_forward_also_batche
     chunks = [torch.randint(10, 500, (n,), generator=g).tolist() for n in (13, 29, 7)]
     contexts = [chunks[1], [], chunks[0] + chunks[1]]  # different lengths in one batch (padding)
     gap = 40
-    got = prefill_kv(model, SINK, chunks, gap=gap, contexts=contexts)
+    got = prefill_kv(ModelAdapter.of(model), SINK, chunks, gap=gap, contexts=contexts)
     for chunk, ctx, layers in zip(chunks, contexts, got):
         want = _reference(model, chunk, ctx[-gap:], gap)
         for (k, v), (wk, wv) in zip(layers, want):
             assert k.shape == wk.shape == (model.config.num_key_value_heads, len(chunk), k.shape[-1])
             torch.testing.assert_close(k, wk, atol=1e-5, rtol=0)
             torch.testing.assert_close(v, wv, atol=1e-5, rtol=0)
-    alone = prefill_kv(model, SINK, chunks[:1], gap=gap)  # no context: not the same K/V
+    alone = prefill_kv(ModelAdapter.of(model), SINK, chunks[:1], gap=gap)  # no context: not the same K/V
     assert not torch.allclose(alone[0][1][0], got[0][1][0], atol=1e-3)
     with pytest.raises(ValueError, match="2 contexts for 3 chunks"):
-        prefill_kv(model, SINK, chunks, gap=gap, contexts=contexts[:2])
+        prefill_kv(ModelAdapter.of(model), SINK, chunks, gap=gap, contexts=contexts[:2])
 
 
 def test_the_context_policy_is_part_of_every_key_and_checked():
     model = models.tiny_model("llama")
     plain = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(context=0))
     near = BlendEngine(model, None, MemoryStore(), template=TEMPLATE, policy=PrecomputePolicy(context=1))
-    assert near.policy_id != plain.policy_id and "-ctx1-" in near.policy_id
-    assert near.chunk_key([11, 12]) != plain.chunk_key([11, 12])
+    assert near.keys.policy_id != plain.keys.policy_id and "-ctx1-" in near.keys.policy_id
+    assert near.keys.chunk_key([11, 12]) != plain.keys.chunk_key([11, 12])
     for bad in (-1, 5, True, 1.0, "1"):
         with pytest.raises(ValueError, match="context must be an integer from 0 to 4"):
             PrecomputePolicy(context=bad)
@@ -111,8 +112,8 @@ def test_a_miss_at_query_time_is_prefilled_behind_its_nearest_chunk_of_the_promp
     torch.testing.assert_close(res.logits, full, atol=1e-4, rtol=0)
     near = lexical_neighbours(prompt.chunk_ids, 1)
     assert near[0] == [3] and near[3] == [0]
-    stored = eng.store.get(eng.chunk_key(prompt.chunk_ids[3]))
-    want = _reference(model, prompt.chunk_ids[3], prompt.chunk_ids[0], eng.policy.gap)
+    stored = eng.store.get(eng.keys.chunk_key(prompt.chunk_ids[3]))
+    want = _reference(model, prompt.chunk_ids[3], prompt.chunk_ids[0], eng.prefiller.policy.gap)
     torch.testing.assert_close(stored.layers[1][0], want[1][0], atol=1e-5, rtol=0)
 
 
@@ -123,18 +124,18 @@ def test_precompute_prefills_each_chunk_behind_its_nearest_chunk_of_the_whole_co
              "Black tea leaves are rolled and fully oxidised before drying, unlike green tea. " * 6]
     whole = open_store("memory")
     eng = BlendEngine(model, tok, whole, policy=PrecomputePolicy(context=1))
-    s = precompute(eng, texts=texts, chunk_tokens=64)
+    s = precompute(eng.prefiller, texts=texts, chunk_tokens=64)
     assert s.failed == 0 and s.new == 2 * s.chunks  # each chunk's context entry and its lead entry
     chunks = [eng.template.chunk_ids(c) for t in texts for c in chunk_document(t, eng.template, 64)]
     ctx = neighbour_contexts(chunks, chunks, 1)
     for ids, c in zip(chunks, ctx):
-        want = prefill_kv(model, eng.sink_ids, [ids], gap=eng.policy.gap, contexts=[c])[0]
-        got = whole.get(eng.chunk_key(ids))
+        want = prefill_kv(ModelAdapter.of(model), eng.keys.sink_ids, [ids], gap=eng.prefiller.policy.gap, contexts=[c])[0]
+        got = whole.get(eng.keys.chunk_key(ids))
         for li in (0, model.config.num_hidden_layers - 1):
             torch.testing.assert_close(got.layers[li][0].float(), want[li][0].float(), atol=1e-5, rtol=0)
     for i in range(2):  # each shard computes its own chunks but picks neighbours among all of them
         part = open_store("memory")
-        precompute(BlendEngine(model, tok, part, policy=PrecomputePolicy(context=1)), texts=texts, chunk_tokens=64,
+        precompute(Prefiller(model, tok, part, policy=PrecomputePolicy(context=1)), texts=texts, chunk_tokens=64,
                    shard=f"{i}/2")
         written = list(part.keys())
         assert written
@@ -142,10 +143,10 @@ def test_precompute_prefills_each_chunk_behind_its_nearest_chunk_of_the_whole_co
             torch.testing.assert_close(part.get(key).layers[1][1], whole.get(key).layers[1][1], atol=0, rtol=0)
     # keys=: only the chunks asked for (what a question set uses), neighbours still from every document
     some = open_store("memory")
-    wanted = {eng.chunk_key(chunks[0]), eng.chunk_key(chunks[-1])}
-    s = precompute(BlendEngine(model, tok, some, policy=PrecomputePolicy(context=1)), texts=texts, chunk_tokens=64,
+    wanted = {eng.keys.chunk_key(chunks[0]), eng.keys.chunk_key(chunks[-1])}
+    s = precompute(Prefiller(model, tok, some, policy=PrecomputePolicy(context=1)), texts=texts, chunk_tokens=64,
                    keys=wanted)
-    leads = {eng.lead_key(chunks[0]), eng.lead_key(chunks[-1])}  # a chunk's lead entry comes with it
+    leads = {eng.keys.lead_key(chunks[0]), eng.keys.lead_key(chunks[-1])}  # a chunk's lead entry comes with it
     assert set(some.keys()) == wanted | leads and s.new == 4
     for key in wanted | leads:
         torch.testing.assert_close(some.get(key).layers[1][1], whole.get(key).layers[1][1], atol=0, rtol=0)

@@ -23,6 +23,7 @@ from ragkv.chunking import chunk_document
 from ragkv.cli import main
 from ragkv.policy import PrecomputePolicy, StorageFormat
 from ragkv.precompute import key_shard, parse_shard, precompute
+from ragkv.prefill import Prefiller
 from ragkv.sources import Report, read_documents
 from ragkv.store import open_store
 
@@ -115,7 +116,7 @@ def test_cli_disk_idempotent_stats_and_engine_keys(corpus, tmp_path, smollm2):
     texts = _chunk_texts(tok, DOCS, 256)
     with open_store(uri) as store:
         engine = BlendEngine(model, tok, store)
-        assert {k for t in texts for k, _ in engine.entry_keys(engine.template.chunk_ids(t))} <= set(store.keys())
+        assert {k for t in texts for k, _ in engine.keys.entry_keys(engine.template.chunk_ids(t))} <= set(store.keys())
         res = engine.prefill("What is this about?", texts[:3])
         assert res.stats.misses == 0 and res.stats.hits == 3
 
@@ -127,11 +128,11 @@ def test_shards_cover_every_chunk_once(tiny_smollm2):
     for i in range(2):
         store = open_store("memory")
         engine = BlendEngine(model, tok, store, storage=StorageFormat("int8"))
-        s = precompute(engine, texts=texts, chunk_tokens=96, shard=f"{i}/2")
+        s = precompute(engine.prefiller, texts=texts, chunk_tokens=96, shard=f"{i}/2")
         assert s.failed == 0 and s.new == 2 * s.chunks == len(list(store.keys()))
         halves.append(set(store.keys()))
     engine = BlendEngine(model, tok, open_store("memory"))
-    every = {k for c in _chunk_texts(tok, DOCS[:2], 96) for k, _ in engine.entry_keys(engine.template.chunk_ids(c))}
+    every = {k for c in _chunk_texts(tok, DOCS[:2], 96) for k, _ in engine.keys.entry_keys(engine.template.chunk_ids(c))}
     assert halves[0] and halves[1] and not halves[0] & halves[1]
     assert halves[0] | halves[1] == every
 
@@ -154,7 +155,7 @@ def test_kill9_mid_run_then_rerun(corpus, tmp_path, smollm2):
     model, tok = smollm2
     with open_store(f"disk://{root}") as store:
         before = len(list(store.keys()))
-        s = precompute(BlendEngine(model, tok, store), paths=[corpus], chunk_tokens=64)
+        s = precompute(Prefiller(model, tok, store), paths=[corpus], chunk_tokens=64)
         assert s.failed == 0 and s.skipped >= before >= 1 and s.new >= 1
         keys = list(store.keys())
         assert len(keys) == 2 * s.chunks  # each chunk's gap/context and lead entries
@@ -172,7 +173,7 @@ def test_failed_writes_are_counted_not_fatal(tiny_smollm2):
 
     model, tok = tiny_smollm2
     engine = BlendEngine(model, tok, Broken(), policy=PrecomputePolicy(lead=False))  # one entry per chunk
-    s = precompute(engine, texts=["A short note about lighthouses.", "Another one."])
+    s = precompute(engine.prefiller, texts=["A short note about lighthouses.", "Another one."])
     assert s.chunks == 2 and s.failed == 2 and s.new == 0 and "disk on fire" in s.errors[0]
     assert s.stopped is None  # two failures in a row do not stop a job
 
@@ -226,7 +227,7 @@ def test_cli_redis_twice(redis_uri, tmp_path, smollm2):
     with open_store(uri) as store:
         engine = BlendEngine(model, tok, store, namespace=ns)
         texts = _chunk_texts(tok, DOCS[:1], 128)
-        keys = [k for t in texts for k, _ in engine.entry_keys(engine.template.chunk_ids(t))]
+        keys = [k for t in texts for k, _ in engine.keys.entry_keys(engine.template.chunk_ids(t))]
         assert set(keys) == set(store.keys()) and all(store.get(k) is not None for k in keys)
 
 
@@ -237,9 +238,9 @@ def test_paths_and_texts_are_separate_arguments(tiny_smollm2, tmp_path):
     model, tok = tiny_smollm2
     engine = BlendEngine(model, tok, open_store("memory"))
     with pytest.raises(TypeError, match="paths and texts are lists"):
-        precompute(engine, str(tmp_path))  # a bare string was once indexed as the literal text "/tmp/..."
+        precompute(engine.prefiller, str(tmp_path))  # a bare string was once indexed as the literal text "/tmp/..."
     (tmp_path / "a.md").write_text("A document about lighthouses and their keepers.")
-    s = precompute(engine, paths=[str(tmp_path)], texts=["An inline document about bread."])
+    s = precompute(engine.prefiller, paths=[str(tmp_path)], texts=["An inline document about bread."])
     assert s.docs == 2 and s.chunks == 2 and s.new == 4 and s.failed == 0
 
 
@@ -266,7 +267,7 @@ def test_a_corpus_over_the_store_budget_is_refused_before_computing(tmp_path, ti
         (docs / f"{i}.md").write_text(f"Document {i}. " + f"Some words about topic {i}. " * 60)
     engine = BlendEngine(model, tok, open_store(f"disk://{tmp_path / 's'}?max_bytes=1M"))
     with pytest.raises(OverBudget, match=r"would write ~.* holds at most 1.0 MiB.*--dtype int8"):
-        precompute(engine, paths=[docs], chunk_tokens=256)
+        precompute(engine.prefiller, paths=[docs], chunk_tokens=256)
     assert list(engine.store.keys()) == []  # refused before any compute or write
     r = CliRunner().invoke(main, ["precompute", str(docs), "--store", f"disk://{tmp_path / 's'}?max_bytes=1M",
                                   "--model", str(tiny_smollm2_dir), "--no-progress", "--chunk-tokens", "256"])
@@ -293,7 +294,7 @@ def test_repeated_write_failures_stop_the_job_with_what_was_saved(tiny_smollm2):
 
     model, tok = tiny_smollm2
     texts = [f"Note number {i} is about a different thing entirely, number {i}." for i in range(30)]
-    s = precompute(BlendEngine(model, tok, FillsUp()), texts=texts, batch_tokens=64)
+    s = precompute(Prefiller(model, tok, FillsUp()), texts=texts, batch_tokens=64)
     assert s.new == 2 and s.failed == 3  # stopped after three failures in a row, 25 never attempted
     assert "3 writes in a row failed with StoreFull" in s.stopped and "rerun the same command" in s.stopped
     assert "STOPPED" in s.describe()
@@ -302,7 +303,7 @@ def test_repeated_write_failures_stop_the_job_with_what_was_saved(tiny_smollm2):
 def test_planning_shows_progress_before_any_compute(tiny_smollm2, capsys):
     model, tok = tiny_smollm2
     text = "\n\n".join(f"Paragraph {i} says something about item {i}." for i in range(400))
-    precompute(BlendEngine(model, tok, open_store("memory")), texts=[text], chunk_tokens=64, progress=True)
+    precompute(Prefiller(model, tok, open_store("memory")), texts=[text], chunk_tokens=64, progress=True)
     err = capsys.readouterr().err
     assert "planning" in err and err.index("planning") < err.index("precompute")
 
@@ -314,7 +315,7 @@ def test_rerun_fills_every_tier_that_lacks_an_entry(tiny_smollm2, tmp_path):
     texts = [f"Document {i} tells the story of item {i} in a few words." for i in range(6)]
     uri = f"disk://{tmp_path / 'a'},disk://{tmp_path / 'b'}"
     with open_store(uri) as store:
-        first = precompute(BlendEngine(model, tok, store), texts=texts)
+        first = precompute(Prefiller(model, tok, store), texts=texts)
         assert first.new == 12  # 6 chunks, each with its lead entry
     with open_store(f"disk://{tmp_path / 'b'}") as b:  # tier b loses everything ...
         b.clear()
@@ -323,11 +324,11 @@ def test_rerun_fills_every_tier_that_lacks_an_entry(tiny_smollm2, tmp_path):
         p = a.path(victim)
         p.write_bytes(p.read_bytes()[:100])
     with open_store(uri) as store:
-        again = precompute(BlendEngine(model, tok, store), texts=texts)
+        again = precompute(Prefiller(model, tok, store), texts=texts)
         assert (again.skipped, again.repaired, again.new, again.failed) == (0, 11, 1, 0)
         keys = list(store.keys())
         assert len(keys) == 12 and all(not store.missing_tiers(k) for k in keys)
-        assert precompute(BlendEngine(model, tok, store), texts=texts).skipped == 12
+        assert precompute(Prefiller(model, tok, store), texts=texts).skipped == 12
 
 
 def test_unreadable_subdirectory_is_reported(tmp_path, monkeypatch):

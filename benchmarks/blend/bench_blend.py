@@ -150,13 +150,13 @@ def main() -> None:
         prompts = [p for p in prompts if sum(q["genre"] == p["genre"] for q in prompts[: prompts.index(p)]) < args.per_genre]
     prompts = prompts[: args.limit]
     t0 = time.time()
-    needed = {engine.chunk_key(ids) for p in prompts for ids in engine.build_prompt(p["question"], p["contexts"]).chunk_ids}
-    done = precompute(engine, texts=corpus.documents(args.split), keys=needed)  # neighbours: the whole corpus
+    needed = {engine.keys.chunk_key(ids) for p in prompts for ids in engine.build_prompt(p["question"], p["contexts"]).chunk_ids}
+    done = precompute(engine.prefiller, texts=corpus.documents(args.split), keys=needed)  # neighbours: the whole corpus
     print(f"precomputed the chunks of {len(prompts)} prompts ({args.split} corpus's neighbours) under "
-          f"{engine.policy_id}: {done.new} new, {done.skipped} stored ({time.time() - t0:.0f} s)", flush=True)
+          f"{engine.keys.policy_id}: {done.new} new, {done.skipped} stored ({time.time() - t0:.0f} s)", flush=True)
     report = {"meta": {"command": "python " + " ".join(sys.argv), "model": "SmolLM2-135M-Instruct", "dtype": dtype,
                        "threads": torch.get_num_threads(), "split": args.split, "per_genre": args.per_genre, "repeats": args.repeats,
-                       "policy": engine.policy_id, "lead": engine.lead,
+                       "policy": engine.keys.policy_id, "lead": engine.keys.lead,
                        "methods": [m for m, _ in methods], "ratios": ratios, "n_tokens": N_TOKENS,
                        "started": time.strftime("%Y-%m-%d %H:%M")}, "prompts": []}
     if args.resume and out.exists():

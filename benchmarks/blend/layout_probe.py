@@ -45,7 +45,8 @@ from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.chunking import chunk_spans
 from ragkv.evaluate import teacher_forced_agreement
 from ragkv.neighbours import neighbour_contexts
-from ragkv.policy import PrecomputePolicy, prefill_kv
+from ragkv.policy import PrecomputePolicy
+from ragkv.prefill import prefill_kv
 from ragkv.store import open_store
 from ragkv.store.entry import encode
 
@@ -56,7 +57,7 @@ N_TOKENS = 32
 def write_layout(engine: BlendEngine, chunks: list[list[int]], layout: str, neighbours: list[list[int]]) -> None:
     """Store every chunk of one prompt under ``layout``, keyed as the read path looks it up;
     ``neighbours``: each chunk's context under the policy (``neighbour_contexts``)."""
-    s, gap = len(engine.sink_ids), engine.policy.gap
+    s, gap = len(engine.keys.sink_ids), engine.prefiller.policy.gap
     for i, c in enumerate(chunks):
         before = [t for prev in chunks[:i] for t in prev]
         if layout == "exact" or (layout == "lead" and i == 0):
@@ -65,9 +66,9 @@ def write_layout(engine: BlendEngine, chunks: list[list[int]], layout: str, neig
             ctx, at = before[-gap:], gap
         else:
             ctx, at = neighbours[i], gap
-        kv = prefill_kv(engine.model, engine.sink_ids, [c], gap=at, contexts=[ctx] if ctx else None)[0]
-        key = engine.chunk_key(c)
-        engine.store.put_encoded(key, encode(engine.entry_meta(key, c, s + at, engine.policy_id), kv))
+        kv = prefill_kv(engine.adapter, engine.keys.sink_ids, [c], gap=at, contexts=[ctx] if ctx else None)[0]
+        key = engine.keys.chunk_key(c)
+        engine.store.put_encoded(key, encode(engine.entry_meta(key, c, s + at, engine.keys.policy_id), kv))
 
 
 @torch.inference_mode()

@@ -67,10 +67,10 @@ def exact_attention(engine: BlendEngine, prompt) -> torch.Tensor:
     a = engine.adapter
     store = open_store("memory://?max_bytes=4G")
     probe = BlendEngine(engine.model, engine.tokenizer, store, BlendConfig(selector=QuerySelector.attention_only()),
-                        template=engine.template, policy=engine.policy, namespace="oracle")
+                        template=engine.template, policy=engine.prefiller.policy, namespace="oracle")
     _, exact = a.forward(torch.tensor([prompt.input_ids], device=a.device))
-    pieces = [(probe.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix-v1")]
-    pieces += [(probe.chunk_key(c), c, s, probe.policy_id) for c, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
+    pieces = [(probe.keys.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix-v1")]
+    pieces += [(probe.keys.chunk_key(c), c, s, probe.keys.policy_id) for c, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
     for key, ids, start, policy in pieces:
         layers = [(lay.keys[0, :, start : start + len(ids)].clone(), lay.values[0, :, start : start + len(ids)].clone())
                   for lay in exact.layers]

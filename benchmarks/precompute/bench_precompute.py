@@ -4,7 +4,7 @@
              --chunks chunks of --chunk-tokens (real text, no internet needed)
     plain    model.model(input_ids) over the same padded batches precompute runs (sink + chunk,
              longest first, --batch-tokens per forward); no store, nothing kept
-    ours     ragkv.precompute.precompute(engine, texts=chunk texts) into a fresh disk store: re-chunking,
+    ours     ragkv.precompute.precompute(engine.prefiller, texts=chunk texts) into a fresh disk store: re-chunking,
              tokenizing, keys, contains, prefill_kv, encode + fsync'd atomic writes (background thread)
     tokens/s counts chunk tokens (the cached ones) for both; the ratio is ours / plain.
 
@@ -55,7 +55,7 @@ def corpus_chunks(tok, n: int, chunk_tokens: int) -> list[str]:
 @torch.inference_mode()
 def plain_forward(model, engine, texts, batch_tokens: int) -> float:
     planned = [engine.template.chunk_ids(t) for t in texts]
-    sink = engine.sink_ids
+    sink = engine.keys.sink_ids
     t0 = time.perf_counter()
     for group in batches([len(c) for c in planned], len(sink), batch_tokens):
         width = len(sink) + len(planned[group[0]])
@@ -89,7 +89,7 @@ def main() -> None:
         try:
             with open_store(f"disk://{root}") as store:
                 eng = BlendEngine(model, tok, store, storage=StorageFormat(args.dtype), policy=policy)
-                s = precompute(eng, texts=texts, chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens)
+                s = precompute(eng.prefiller, texts=texts, chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens)
             assert s.failed == 0 and s.new == len(texts), s.describe()
             ours.append(s.tokens_per_s)
             secs.append(s.seconds)

@@ -2,7 +2,7 @@
 
     corpus   --docs distinct documents (pydoc plain text of stdlib modules, cut to --doc-tokens
              tokens each), written as .txt files: the unit of Ray's work is a document
-    local    ragkv.precompute.precompute(engine, paths) in this process, torch on --cpus threads
+    local    ragkv.precompute.precompute(engine.prefiller, paths) in this process, torch on --cpus threads
     ray-1    ragkv.distributed.precompute_ray(..., workers=1, cpus_per_worker=--cpus)
     ray-2    ragkv.distributed.precompute_ray(..., workers=2, cpus_per_worker=--cpus // 2)
     each run writes into a fresh disk:// store (max_bytes=none, fsync on) and is timed whole: reading,
@@ -29,8 +29,8 @@ from ragkv import models
 from ragkv.distributed import precompute_ray
 from ragkv.policy import StorageFormat
 from ragkv.precompute import entry_bytes, precompute
+from ragkv.spec import EngineSpec
 from ragkv.store import open_store
-from ragkv.writer import EngineSpec
 
 MODULES = ("collections", "pathlib", "json", "argparse", "subprocess", "threading", "itertools", "functools",
            "logging", "email.message", "http.client", "unittest", "sqlite3", "datetime", "re")
@@ -58,7 +58,7 @@ def run(mode: str, spec: EngineSpec, corpus: Path, args) -> dict:
 
         torch.set_num_threads(args.cpus)
         with open_store(uri) as store:
-            s = precompute(spec.build(store), paths=[corpus], chunk_tokens=args.chunk_tokens)
+            s = precompute(spec.prefiller(store), paths=[corpus], chunk_tokens=args.chunk_tokens)
     else:
         workers = int(mode.split("-")[1])
         s = precompute_ray(spec, paths=[corpus], chunk_tokens=args.chunk_tokens, workers=workers,
@@ -73,7 +73,7 @@ def storage_table(spec: EngineSpec, chunk_tokens: int) -> list[dict]:
     rows = []
     for dt in DTYPES:
         with open_store("memory://") as store:
-            eng = EngineSpec(spec.model, spec.model_dtype, storage=StorageFormat(dt)).build(store)
+            eng = EngineSpec(spec.model, spec.model_dtype, storage=StorageFormat(dt)).prefiller(store)
             per_chunk = entry_bytes(eng)(chunk_tokens)
         rows.append({"dtype": dt, "bytes_per_chunk": per_chunk, "per_token": per_chunk / chunk_tokens,
                      "tb_per_1m": per_chunk * 1e6 / 1e12})

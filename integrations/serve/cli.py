@@ -34,7 +34,7 @@ def _ratio(ctx, param, value: str):
 @click.option("--ratio", default="0.15", show_default=True, callback=_ratio,
               help="fraction of reused chunk tokens recomputed: 0..1 (1 = full prefill) or 'auto'")
 @click.option("--selector", default="deviation", show_default=True,  # (ragkv.blend.config.DEFAULT_SELECTOR)
-              help="which chunk tokens are recomputed (deviation, query, hybrid, starts)")
+              help="which chunk tokens are recomputed (deviation, query, starts)")
 @click.option("--max-queue", default=32, show_default=True, type=click.IntRange(1, None),
               help="requests admitted at once (running or waiting); more get 429 + Retry-After")
 @click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=click.IntRange(1, None),

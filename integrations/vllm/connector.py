@@ -32,18 +32,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorWorkerMetadata,
-)
 
 from ragkv.blend import check_ratio
 from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
 from ragkv.integrations.vllm.layout import PromptLayout
 from ragkv.integrations.vllm.writer import blend_and_write, write_back
 from ragkv.store.errors import StoreError
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 
 log = logging.getLogger("ragkv.vllm")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -133,7 +133,7 @@ class RagKVConnector(KVConnectorBase_V1):
 
     def _stored(self, ids: list[int]) -> bool:
         try:
-            return self.engine.store.contains(self.engine.chunk_key(ids))
+            return self.engine.store.contains(self.engine.keys.chunk_key(ids))
         except StoreError as e:
             log.warning("store lookup failed, counted as a miss: %s", e)
             return False

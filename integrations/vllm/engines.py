@@ -67,6 +67,5 @@ def engine_for(model_path: str, dtype: torch.dtype, settings: ConnectorSettings)
             eng = BlendEngine(model, tok, open_store(settings.store),
                               BlendConfig(ratio=settings.ratio, selector=settings.selector),
                               namespace=settings.namespace)
-            eng.model_lock = threading.Lock()  # one blend or write-back at a time per model
             _engines[key] = eng
         return eng

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.blend.cache import Segment
 from ragkv.prompt import Prompt
 
 STAT_KEYS = ("chunks", "hits", "misses", "corrupt", "vanished", "store_errors", "timeouts", "prompt_tokens",
@@ -37,8 +36,7 @@ def blend_and_write(engine, job, layers, block_size: int) -> dict:
     """Blend the job's prompt (ragkv.blend) and write positions [start, end) of every layer's K/V
     into vLLM's cache through the layer's own ``impl.do_kv_cache_update`` (whatever the backend's
     block layout is). -> the blend's stats."""
-    with engine.model_lock:
-        res = engine.prefill_prompt(prompt_of(job), ratio=job.ratio)
+    res = engine.prefill_prompt(prompt_of(job), ratio=job.ratio)  # (holds the model's lock)
     if len(res.cache.layers) != len(layers):
         raise RuntimeError(f"blend returned {len(res.cache.layers)} layers, vLLM has {len(layers)}")
     slots = None
@@ -56,16 +54,14 @@ def blend_and_write(engine, job, layers, block_size: int) -> dict:
 @torch.inference_mode()
 def write_back(engine, job) -> int:
     """Prefill on their own (ragkv's precompute policy) and store the prompt's chunks (and prefix)
-    the store lacks, and the first chunk's lead entry under ``engine.lead``. -> entries written."""
-    prompt = prompt_of(job)
-    segs = [Segment(engine.chunk_key(ids), ids, 0)
-            for ids, stored in zip(prompt.chunk_ids, job.stored) if not stored]
-    if engine.lead and prompt.chunk_ids:
-        segs.append(Segment(engine.lead_key(prompt.chunk_ids[0]), prompt.chunk_ids[0], 0, lead=True))
+    the store lacks, and the first chunk's lead entry under ``engine.keys.lead``. -> entries written."""
+    prompt, keys = prompt_of(job), engine.keys
+    entries = [(keys.chunk_key(ids), ids, "chunk") for ids, stored in zip(prompt.chunk_ids, job.stored) if not stored]
+    if keys.lead and prompt.chunk_ids:
+        entries.append((keys.lead_key(prompt.chunk_ids[0]), prompt.chunk_ids[0], "lead"))
     if prompt.prefix_ids:
-        segs.append(Segment(engine.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, is_prefix=True))
-    missing = [s for s in segs if not engine.store.contains(s.key)]
+        entries.append((keys.prefix_key(prompt.prefix_ids), prompt.prefix_ids, "prefix"))
+    missing = [e for e in entries if not engine.store.contains(e[0])]
     if missing:
-        with engine.model_lock:
-            engine.compute_and_store(missing, pool=prompt.chunk_ids)
+        engine.prefiller.compute(missing, pool=prompt.chunk_ids)
     return len(missing)

@@ -1,7 +1,7 @@
 """The read path (CacheBlend): ``BlendEngine`` + ``BlendConfig``; selection strategies in
-``ragkv.blend.select`` (``SELECTORS``). Rooms: engine (lookup, write path, request steps), request
-(the layer loop), select (which tokens are recomputed), attention (causal by original position),
-cache (the fused K/V and the handoff), result (what a request returns)."""
+``ragkv.blend.select`` (``SELECTORS``). Rooms: engine (lookup, request steps), request (the layer
+loop), select (which tokens are recomputed), attention (causal by original position), cache (the
+fused K/V and the handoff), result (what a request returns)."""
 
 from ragkv.blend.config import BlendConfig, check_ratio
 from ragkv.blend.engine import BlendEngine
@@ -9,11 +9,10 @@ from ragkv.blend.result import BlendResult, BlendStats
 from ragkv.blend.select import (
            SELECTORS,
            DeviationSelector,
-           HybridSelector,
            QuerySelector,
            Selector,
            StartsSelector,
 )
 
 __all__ = ["SELECTORS", "BlendConfig", "BlendEngine", "BlendResult", "BlendStats", "DeviationSelector",
-           "HybridSelector", "QuerySelector", "Selector", "StartsSelector", "check_ratio"]
+           "QuerySelector", "Selector", "StartsSelector", "check_ratio"]

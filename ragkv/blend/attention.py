@@ -34,8 +34,8 @@ def position_attention(module, query, key, value, attention_mask, dropout=0.0, s
 def probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                     ragkv_q_pos=None, ragkv_capture=None, **kwargs):
     """The probe's attention: a few rows (the suffix) over the whole fused K/V with the probabilities
-    made explicit, handed to ``ragkv_capture(layer, probs [Hq, n, T] fp32, values [Hkv, T, D])`` before
-    they weight the values. Causal by position like ``position_attention``; cheap because n is small."""
+    made explicit, handed to ``ragkv_capture(layer, probs [Hq, n, T] fp32)`` before they weight the
+    values. Causal by position like ``position_attention``; cheap because n is small."""
     q, k, v = query[0], key[0], value[0]  # [Hq, n, D], [Hkv, T, D]
     hq, n, d = q.shape
     hkv, t = k.shape[0], k.shape[1]
@@ -49,7 +49,7 @@ def probe_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         hidden = torch.arange(lo, t, device=q.device)[None, :] > ragkv_q_pos.repeat(g)[:, None]
         logits[..., lo:].masked_fill_(hidden, float("-inf"))
     probs = logits.softmax(-1)
-    ragkv_capture(module.layer_idx, probs.view(hq, n, t), v)
+    ragkv_capture(module.layer_idx, probs.view(hq, n, t))
     out = torch.bmm(probs.to(v.dtype), v).view(hq, n, d)
     return out.transpose(0, 1).unsqueeze(0), None
 

@@ -36,12 +36,16 @@ class Segment:
 
     @property
     def kind(self) -> str:
-        """How its entry was prefilled: 'prefix', 'lead' or 'chunk' (BlendEngine.prefill_chunks)."""
+        """How its entry was prefilled: 'prefix', 'lead' or 'chunk' (ragkv.keys.Keyspace.layout)."""
         return "prefix" if self.is_prefix else "lead" if self.lead else "chunk"
+
+    def hold(self, kv: list, keys) -> None:
+        """K/V computed during this request, prefilled as an entry of its kind is (``keys``: the Keyspace)."""
+        self.layers, self.stored_start = kv, keys.layout(self.kind)[0]
 
 
 class FusedCache:
-    """ragkv's side of the cache contract (``ModelAdapter.run_layer``): ``update(li, k, v)``."""
+    """ragkv's side of the cache contract (``ModelAdapter.run_layer``): ``update(li, k, v, positions)``."""
 
     def __init__(self, adapter, total: int):
         self.adapter, self.total = adapter, total
@@ -50,9 +54,6 @@ class FusedCache:
         self.inv_freq = adapter.inv_freq.to(self.device)
         self.keys: list[torch.Tensor | None] = [None] * adapter.num_layers
         self.values: list[torch.Tensor | None] = [None] * adapter.num_layers
-        self.active: torch.Tensor | None = None  # [n] absolute positions of the rows being computed
-        self.scorer = None  # set for a check layer: (score fn, rows of `active` to score)
-        self.scores: torch.Tensor | None = None
         # the re-rotation of the plain keys: the same deltas in every layer, so the per-token deltas
         # and the kernel's tables are built once per request (per set of fused segments)
         self._rotation: tuple | None = None  # (key, delta [hi - lo], tables)
@@ -105,17 +106,11 @@ class FusedCache:
             self._rotation = (key, delta, ops.rope_tables(delta, self.inv_freq))
         return self._rotation[1:]
 
-    def update(self, li: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor):
-        """The fresh K/V [1, kv_heads, n, head_dim] of the active rows: scored against the fused K/V
-        when a scorer is set, then scattered over it; returns the whole fused K/V to attend over."""
-        k, v = self.keys[li][0], self.values[li][0]  # [H, T, D]
-        fk, fv = fresh_k[0], fresh_v[0]  # [H, n, D]
-        if self.scorer is not None:
-            score, rows = self.scorer
-            idx = self.active[rows]
-            self.scores = score(fk[:, rows], k[:, idx], fv[:, rows], v[:, idx])
-        ops.scatter_rows(k, fk, self.active)
-        ops.scatter_rows(v, fv, self.active)
+    def update(self, li: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, positions: torch.Tensor):
+        """The fresh K/V [1, kv_heads, n, head_dim] of the rows at ``positions`` [n], scattered over
+        layer li's fused K/V; -> the whole fused K/V [1, kv_heads, T, head_dim] to attend over."""
+        ops.scatter_rows(self.keys[li][0], fresh_k[0], positions)
+        ops.scatter_rows(self.values[li][0], fresh_v[0], positions)
         return self.keys[li], self.values[li]
 
     def handoff(self, length: int):

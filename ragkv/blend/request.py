@@ -42,14 +42,18 @@ _COUNTERS = {"corrupt": "corrupt", "unsupported": "corrupt", "absent": "vanished
 
 
 class BlendRequest:
+    """One request's state: its segments, the fused cache, the active rows, the loader. It reads its
+    engine's collaborators once (adapter, config, store, prefiller) and never calls back into it."""
+
     def __init__(self, engine, prompt: Prompt, segments: list[Segment], ratio: float, stats: BlendStats):
-        self.engine, self.prompt, self.segments, self.stats = engine, prompt, segments, stats
+        self.prompt, self.segments, self.stats = prompt, segments, stats
+        self.config, self.store, self.prefiller = engine.config, engine.store, engine.prefiller
         a = self.adapter = engine.adapter
         self.P, self.C, self.T = len(prompt.prefix_ids), sum(map(len, prompt.chunk_ids)), prompt.num_tokens
         chunk_rows = [(s.start - self.P, len(s.ids)) for s in segments if not s.is_prefix]
         # the first chunk is exact when read from its lead entry and that was prefilled behind this very
         # prefix (the template sink; under sink 'bos'/'none' it sat behind less)
-        exact_first = any(s.lead for s in segments) and list(prompt.prefix_ids) == list(engine.sink_ids)
+        exact_first = any(s.lead for s in segments) and list(prompt.prefix_ids) == list(engine.keys.sink_ids)
         self.selection = SelectionRequest(self.P, self.C, self.T, tuple(chunk_rows), ratio, a.num_layers,
                                           a.num_kv_heads, lead=exact_first)
         self.positions = torch.arange(self.T, device=a.device)
@@ -67,7 +71,7 @@ class BlendRequest:
         with ExitStack() as stack:  # the loader thread is closed on every exit
             self._stack = stack
             ts = time.perf_counter()
-            schedule = self.engine.config.selector.schedule(replace(self.selection, probe=self._probe))
+            schedule = self.config.selector.schedule(replace(self.selection, probe=self._probe))
             stats.t_select = time.perf_counter() - ts
             self._set_active(self._initial(schedule.start))
             hidden = a.embed(self.input_ids[:, self.active])
@@ -91,9 +95,9 @@ class BlendRequest:
         if not self.from_store or li < first:
             return None
         if self._loader is None:
-            cfg, a = self.engine.config, self.adapter
+            cfg = self.config
             self._loader = self._stack.enter_context(
-                make_loader(cfg.pipelined, self.engine.store, self.from_store, range(first, a.num_layers),
+                make_loader(cfg.pipelined, self.store, self.from_store, range(first, self.adapter.num_layers),
                             timeout_s=cfg.load_timeout_s))
         tw = time.perf_counter()
         loaded = dict(zip(self._loader.keys, self._loader.layer(li)))
@@ -105,17 +109,15 @@ class BlendRequest:
                 self._recover(seg, loaded[seg.key])
         return loaded
 
-    def _probe(self, observe, layers: int | None = None) -> None:
-        """The suffix alone through the first ``layers`` layers (None: all) over the fused stored K/V
-        (stale: not yet corrected), ``observe(layer, probs, values)`` seeing its attention (and the
-        values it weights) in each. The fused layers are kept for the pass that follows (the store
-        is read once)."""
+    def _probe(self, observe) -> None:
+        """The suffix alone through every layer over the fused stored K/V (stale: not yet corrected),
+        ``observe(layer, probs)`` seeing its attention in each. The fused layers are kept for the pass
+        that follows (the store is read once)."""
         a, suffix = self.adapter, self.positions[self.P + self.C :]
         self._set_active(suffix)
         hidden = a.embed(self.input_ids[:, suffix])
-        for li in range(a.num_layers if layers is None else layers):
+        for li in range(a.num_layers):
             self._fuse(li, self._take(li, 0), checks={})
-            self.cache.active = suffix
             hidden = a.run_layer(li, hidden, suffix, self.cache, **self.calls(suffix, capture=observe))
 
     def _fuse(self, li: int, loaded: dict | None, checks: dict) -> None:
@@ -130,13 +132,12 @@ class BlendRequest:
         tc = time.perf_counter()
         if li in schedule.checks:
             hidden = self._narrow(li, hidden, schedule.score, schedule.checks[li])
-        active = self.cache.active = self.active
+        active = self.active
         if li == self.adapter.num_layers - 1 and active.numel() > 1:
             # the last layer: every active row's K/V (generation attends to them), but its output is
             # read for the last token only (the logits), so only that row runs attention and the MLP
-            self.adapter.layer_kv(li, hidden, active, self.cache, self.calls.rope(active))
-            active = self.cache.active = active[-1:]
-            hidden = hidden[:, -1:]
+            self.cache.update(li, *self.adapter.layer_kv(li, hidden, active, self.calls.rope(active)), active)
+            active, hidden = active[-1:], hidden[:, -1:]
         hidden = self.adapter.run_layer(li, hidden, active, self.cache, **self.calls(active))
         self.stats.t_compute += time.perf_counter() - tc
         return hidden
@@ -145,15 +146,17 @@ class BlendRequest:
         """Check layer li: every active row's K/V (only that much of the layer), scored against the
         stored K/V and scattered; the ``keep_rows`` chunk rows scored highest and the suffix stay
         active (``self.active``) and run the rest of the layer. -> their hidden states."""
-        cache, active = self.cache, self.active
+        active = self.active
         score_rows = torch.nonzero((active >= self.P) & (active < self.P + self.C)).flatten()
         if keep_rows >= score_rows.numel():  # nothing to drop
             return hidden
-        cache.active, cache.scorer = active, (score, score_rows)
-        self.adapter.layer_kv(li, hidden, active, cache, self.calls.rope(active))
-        top = ops.select_topk(cache.scores, keep_rows)
+        k, v = self.adapter.layer_kv(li, hidden, active, self.calls.rope(active))  # [1, Hkv, n, D]
+        idx = active[score_rows]
+        stored_k, stored_v = self.cache.keys[li][0], self.cache.values[li][0]  # [Hkv, T, D]
+        scores = score(k[0][:, score_rows], stored_k[:, idx], v[0][:, score_rows], stored_v[:, idx])
+        self.cache.update(li, k, v, active)
+        top = ops.select_topk(scores, keep_rows)
         keep = torch.cat([score_rows[top], torch.nonzero(active >= self.P + self.C).flatten()]).sort().values
-        cache.scorer = cache.scores = None
         self._set_active(active[keep])  # (prefix rows, active only in whole-prompt layers, drop out)
         return hidden[:, keep]
 
@@ -178,6 +181,7 @@ class BlendRequest:
         return rows
 
     def _set_active(self, rows: torch.Tensor) -> None:
+        """The one place the active rows (absolute positions computed in the next layers) change."""
         self.active = rows
         covered = torch.zeros(self.T, dtype=torch.bool, device=rows.device)
         covered[rows] = True
@@ -196,7 +200,7 @@ class BlendRequest:
         got = loaded.get(seg.key) if loaded is not None else None
         if got is None:  # a layer the loader does not cover (the exact prefix, early layers)
             tl = time.perf_counter()
-            got = read_layer(self.engine.store, [seg.key], li)[0]
+            got = read_layer(self.store, [seg.key], li)[0]
             self.stats.t_load += time.perf_counter() - tl
         if isinstance(got, Miss):
             self._recover(seg, got)
@@ -210,4 +214,6 @@ class BlendRequest:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         if miss.reason in ("error", "timeout"):
             self.write_back = False  # do not wait on a failing store again
-        self.engine.compute_and_store([seg], write_back=self.write_back, pool=self.prompt.chunk_ids)
+        (kv,) = self.prefiller.compute([(seg.key, seg.ids, seg.kind)], write_back=self.write_back,
+                                       pool=self.prompt.chunk_ids)
+        seg.hold(kv, self.prefiller.keys)

@@ -115,6 +115,11 @@ class KVStore(ABC):
         for k in list(self.keys()):
             self._remove(k)
 
+    @property
+    def tiers(self) -> list[KVStore]:
+        """The stores this one is made of, fastest first: ``[self]``; a TieredStore's tiers."""
+        return [self]
+
     def missing_tiers(self, key: str) -> list[KVStore]:
         """The stores that lack a valid entry for ``key``: here ``[]`` or ``[self]``; a
         TieredStore lists its tiers that lack it (e.g. Redis restarted empty under a disk tier)."""

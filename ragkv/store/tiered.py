@@ -45,10 +45,14 @@ class TieredStore(KVStore):
         super().__init__()
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
-        self.tiers = list(tiers)
+        self._tiers = list(tiers)
         self.promote_on_lookup = promote_on_lookup
         self._promoter: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
+
+    @property
+    def tiers(self) -> list[KVStore]:
+        return self._tiers
 
     @property
     def uri(self) -> str:

@@ -9,6 +9,8 @@ import pytest
 import torch
 from integration_data import CONTEXTS, QUESTION
 
+from ragkv.adapter import pad_token_id
+
 pytestmark = pytest.mark.slow
 NEW = 4
 
@@ -20,7 +22,7 @@ def test_ratio_one_equals_plain_generate(make_gen, smollm2):
     ids = torch.tensor([gen.engine.build_prompt(QUESTION, CONTEXTS).input_ids])
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                             temperature=None, top_p=None, top_k=None, pad_token_id=gen.engine.pad_token_id)
+                             temperature=None, top_p=None, top_k=None, pad_token_id=pad_token_id(model, gen.engine.tokenizer))
     assert out.token_ids == ref[0, ids.shape[1]:].tolist()
     assert out.misses == len(CONTEXTS) and out.hits == 0
 
@@ -78,7 +80,7 @@ def test_bad_input_gives_clear_errors(make_gen):
     huge = "lighthouse " * (gen.engine.adapter.max_positions + 10)
     with pytest.raises(ValueError, match=r"context 1 \('lighthouse lighthouse.*longer than the model's window"):
         gen.generate(QUESTION, [CONTEXTS[0], huge])
-    key = gen.engine.chunk_key(gen.engine.template.chunk_ids(CONTEXTS[0]))
+    key = gen.engine.keys.chunk_key(gen.engine.template.chunk_ids(CONTEXTS[0]))
     assert not gen.engine.store.contains(key)  # refused before anything was computed
 
 

@@ -34,7 +34,7 @@ def test_postprocessor_attaches_keys_and_keeps_text(make_gen):
     assert out is nodes and pp.last_computed == 3
     for n, (text, llm, embed) in zip(out, before):
         key = n.node.metadata[KEY_FIELD]
-        assert key == gen.engine.chunk_key(gen.engine.template.chunk_ids(text))
+        assert key == gen.engine.keys.chunk_key(gen.engine.template.chunk_ids(text))
         assert gen.engine.store.contains(key)
         assert (n.node.text, n.node.get_content(MetadataMode.LLM), n.node.get_content(MetadataMode.EMBED)) == (
             text, llm, embed)
@@ -82,7 +82,7 @@ def test_query_engines_answer_from_cached_chunks(make_gen, docs):
     stats = r2.metadata["ragkv"]
     assert stats["hits"] == 2 and stats["misses"] == 0 and stats["ttft"] > 0
     for n in r2.source_nodes:
-        assert n.node.metadata["ragkv_key"] == gen.engine.chunk_key(gen.engine.template.chunk_ids(n.node.text))
+        assert n.node.metadata["ragkv_key"] == gen.engine.keys.chunk_key(gen.engine.template.chunk_ids(n.node.text))
 
 
 @pytest.mark.slow
