@@ -126,6 +126,9 @@ class ModelAdapter:
 
     @classmethod
     def of(cls, model) -> ModelAdapter:
+        """The model's adapter, built once. A model that is not a transformers model provides its own
+        implementation of the same interface as ``model._ragkv_adapter`` (ragkv.integrations.vllm
+        does, over vLLM's modules), and that one is returned."""
         cached = getattr(model, "_ragkv_adapter", None)
         if cached is not None:
             return cached

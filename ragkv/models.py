@@ -247,9 +247,10 @@ def _tokenizer_digest(tokenizer) -> str:
     return h.hexdigest()
 
 
-def _weights_digest(model) -> str:
+def digest_tensors(named) -> str:
+    """Digest of (name, tensor) pairs in name order: names, shapes, dtypes and bytes."""
     h = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(named, key=lambda kv: kv[0]):
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
         t = t.detach().contiguous().cpu()
@@ -257,10 +258,13 @@ def _weights_digest(model) -> str:
     return h.hexdigest()
 
 
+def _weights_digest(model) -> str:
+    return digest_tensors(model.state_dict().items())
+
+
 def fingerprint(model, tokenizer=None) -> ModelFingerprint:
     """The model's identity for cache keys: a digest of every weight (cached on the model object),
     its dtype, shapes and rope parameters, and the tokenizer's vocabulary."""
-    tok_digest = _tokenizer_digest(tokenizer)
     dtype = str(model.dtype).removeprefix("torch.")
     # hashing every weight takes ~0.5 s for 135M parameters: cache it per (model object, dtype).
     # Weights edited in place after the first call are not noticed; call with a fresh model then.
@@ -269,18 +273,23 @@ def fingerprint(model, tokenizer=None) -> ModelFingerprint:
         cached = (dtype, _weights_digest(model))
         model._ragkv_weights_digest = cached
     cfg = model.config
+    arch = cfg.architectures[0] if getattr(cfg, "architectures", None) else type(model).__name__
+    return fingerprint_of(cfg, cached[1], dtype, tokenizer, arch)
+
+
+def fingerprint_of(cfg, weights: str, dtype: str, tokenizer=None, architecture: str | None = None) -> ModelFingerprint:
+    """``fingerprint``'s fields from a model's config, the digest of its weights (``state_dict`` in
+    ``dtype``, by ``digest_tensors``) and its tokenizer, for callers that hold no model object."""
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
     rope = getattr(text_cfg, "rope_parameters", None) or {}
-    fp = ModelFingerprint(
-        architecture=(cfg.architectures or [type(model).__name__])[0] if getattr(cfg, "architectures", None)
-        else type(model).__name__,
-        weights=cached[1],
+    return ModelFingerprint(
+        architecture=architecture or cfg.architectures[0],
+        weights=weights,
         dtype=dtype,
         num_layers=text_cfg.num_hidden_layers,
         num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
         head_dim=head_dim,
         rope={k: v for k, v in dict(rope).items() if isinstance(v, (int, float, str, bool, type(None)))},
-        tokenizer=tok_digest,
+        tokenizer=_tokenizer_digest(tokenizer),
     )
-    return fp

@@ -36,7 +36,7 @@ from ragkv.blend.config import BlendConfig, check_ratio
 from ragkv.blend.request import BlendRequest
 from ragkv.blend.result import BlendResult, BlendStats
 from ragkv.keys import chunk_key
-from ragkv.models import fingerprint
+from ragkv.models import fingerprint as model_fingerprint
 from ragkv.neighbours import neighbour_contexts
 from ragkv.policy import PREFIX_POLICY, PrecomputePolicy, StorageFormat, prefill_kv
 from ragkv.prompt import Prompt, PromptTemplate
@@ -58,11 +58,16 @@ class BlendEngine:
     cache that ``model.generate`` continues (see ragkv.integrations.hf for generation).
     A model serves one request at a time: the engine points its attention at ragkv's for the
     duration of a layer call (ragkv.adapter).
+
+    ``model``: a transformers model, or any model that carries its own implementation of the layer
+    interface (``ModelAdapter.of``; ragkv.integrations.vllm's over vLLM's model). ``fingerprint``:
+    the model's key digest (``ragkv.models.fingerprint(...).digest()``) when the caller has it
+    without the weights being hashed here (a model that is not a transformers model must give it).
     """
 
     def __init__(self, model, tokenizer, store, config: BlendConfig | None = None, *,
                  template: PromptTemplate | None = None, policy: PrecomputePolicy | None = None,
-                 storage: StorageFormat | None = None, namespace: str = ""):
+                 storage: StorageFormat | None = None, namespace: str = "", fingerprint: str | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.store = store
@@ -73,7 +78,7 @@ class BlendEngine:
         self.template = template or PromptTemplate.for_tokenizer(tokenizer)
         self.policy = (policy or PrecomputePolicy()).resolve(model)
         self.namespace = namespace
-        self.fingerprint = fingerprint(model, tokenizer).digest()
+        self.fingerprint = fingerprint or model_fingerprint(model, tokenizer).digest()
         self.policy_id = self.policy.policy_id(self.template)
         self.lead_id = self.policy.lead_id(self.template)
         self.sink_ids = self.policy.sink_ids(self.template)
@@ -81,7 +86,7 @@ class BlendEngine:
         self.lead_start = len(self.sink_ids)  # ... and of every lead entry
         # with gap 0 (and so no context) the chunk entry already sits right behind the sink: it is its own lead
         self.lead = self.policy.lead and self.chunk_start != self.lead_start
-        self.model_dtype = str(model.dtype).removeprefix("torch.")
+        self.model_dtype = str(self.adapter.dtype).removeprefix("torch.")
         self._controller = None  # built on the first ratio="auto" (measures the model once)
 
     @property
