@@ -247,14 +247,21 @@ def _tokenizer_digest(tokenizer) -> str:
     return h.hexdigest()
 
 
+def digest_update(h, name: str, t: torch.Tensor) -> None:
+    """Add one named tensor to a weights digest: its name, shape, dtype and bytes."""
+    h.update(name.encode())
+    h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+    t = t.detach().contiguous().cpu()
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
 def digest_tensors(named) -> str:
-    """Digest of (name, tensor) pairs in name order: names, shapes, dtypes and bytes."""
+    """Digest of (name, tensor) pairs in name order (``digest_update`` each, one blake2b-128). A
+    caller that streams tensors (a checkpoint read one tensor at a time) feeds ``digest_update``
+    in name order itself."""
     h = hashlib.blake2b(digest_size=16)
     for name, t in sorted(named, key=lambda kv: kv[0]):
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
-        t = t.detach().contiguous().cpu()
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest_update(h, name, t)
     return h.hexdigest()
 
 
