@@ -1,25 +1,24 @@
-"""The connector's ragkv side: one BlendEngine per process over ragkv's own HF copy of vLLM's model.
+"""What each side of the connector runs on, built from vLLM's config; no transformers model anywhere.
 
-vLLM's modules are never patched or called: ragkv loads the same model directory with transformers
-(in vLLM's dtype), so the K/V it blends are the model's own, and writes them into vLLM's paged cache.
-Memory cost: one more copy of the weights in every process that hosts a connector role (the engine
-core process for the scheduler side, each worker for the worker side; one in all with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), plus the blend's working set (the prompt's K/V in the model
-dtype, a few activations of the recomputed rows).
+    scheduler   ChunkKeys: the store, the prompt template (tokenizer) and the model's fingerprint
+                digest read from the checkpoint files (ragkv.integrations.vllm.keys)
+    worker      BlendEngine over vLLM's own model in this process (the blend-aware class the plugin
+                registered, ragkv.integrations.vllm.models), through VllmLayers: the selective
+                recompute runs vLLM's modules, weights and kernels
+
+Memory: no second copy of the weights. The worker's blend holds the prompt's K/V in the model dtype
+(2 x layers x kv_heads x head_dim x tokens x dtype bytes; SmolLM2 fp32: 46 KB/token) and the
+recomputed rows' activations while it runs.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-
-import torch
 
 from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.blend.config import DEFAULT_SELECTOR
+from ragkv.integrations.vllm.keys import ChunkKeys, model_digest
 from ragkv.store import open_store
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -50,23 +49,32 @@ class ConnectorSettings:
         return s
 
 
-_engines: dict[tuple, BlendEngine] = {}
-_lock = threading.Lock()
+def tokenizer_of(vllm_config):
+    """The transformers tokenizer of vLLM's model (a tokenizer only: no weights are read)."""
+    from transformers import AutoTokenizer
+
+    mc = vllm_config.model_config
+    return AutoTokenizer.from_pretrained(mc.tokenizer, local_files_only=True, revision=mc.tokenizer_revision)
 
 
-def engine_for(model_path: str, dtype: torch.dtype, settings: ConnectorSettings) -> BlendEngine:
-    """The process's engine for this model, dtype and store (built once, shared by both roles when
-    the scheduler and the worker live in one process)."""
-    from ragkv.models import load
+def scheduler_keys(vllm_config, settings: ConnectorSettings, tokenizer=None) -> ChunkKeys:
+    """The scheduler side's lookup keys for vLLM's model: equal to the worker engine's."""
+    mc = vllm_config.model_config
+    tok = tokenizer or tokenizer_of(vllm_config)
+    return ChunkKeys.build(open_store(settings.store), tok, mc.hf_config, model_digest(mc.model, mc.dtype, tok),
+                           settings.namespace)
 
-    key = (model_path, str(dtype), settings.store, settings.namespace, settings.selector, str(settings.ratio))
-    with _lock:
-        eng = _engines.get(key)
-        if eng is None:
-            model, tok = load(model_path, dtype=dtype)
-            eng = BlendEngine(model, tok, open_store(settings.store),
-                              BlendConfig(ratio=settings.ratio, selector=settings.selector),
-                              namespace=settings.namespace)
-            eng.model_lock = threading.Lock()  # one blend or write-back at a time per model
-            _engines[key] = eng
-        return eng
+
+def worker_engine(model, vllm_config, settings: ConnectorSettings, tokenizer=None) -> BlendEngine:
+    """A BlendEngine over vLLM's own ``model`` (ragkv.integrations.vllm.models.blend_model). Raises
+    UnsupportedModelError naming the vLLM version and what differs when its layers are not the
+    ones VllmLayers repeats."""
+    from ragkv.integrations.vllm.layers import VllmLayers
+
+    mc = vllm_config.model_config
+    tok = tokenizer or tokenizer_of(vllm_config)
+    if not isinstance(getattr(model, "_ragkv_adapter", None), VllmLayers):
+        model._ragkv_adapter = VllmLayers(model)  # what ragkv.adapter.ModelAdapter.of(model) returns
+    return BlendEngine(model, tok, open_store(settings.store), BlendConfig(ratio=settings.ratio, selector=settings.selector),
+                       namespace=settings.namespace, fingerprint=model_digest(mc.model, mc.dtype, tok))
+
