@@ -3,7 +3,7 @@
     .venv-vllm/bin/python benchmarks/vllm/bench_vllm_serve.py --prompts 8 --ratios 0.15,0.3
 
 The server is examples/vllm_serve.py's (`python -m vllm.entrypoints.openai.api_server`, the default
-multi-process engine, bf16, prefix caching off, block 32, 127.0.0.1). Prompts: the same test-split
+multi-process engine, --dtype (float32 default), prefix caching off, block 32, 127.0.0.1). Prompts: the same test-split
 prompts as bench_vllm.py, chunks precomputed first. Per prompt and setting: POST /v1/completions with
 the prompt's token ids, max_tokens=1 and `kv_transfer_params` ({"ragkv_skip": true} = vLLM's own
 prefill, {"ragkv_ratio": r} = blended); TTFT = request sent -> response received (best of --repeats).
@@ -35,11 +35,12 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8012)
     ap.add_argument("--store", default="disk:///tmp/ragkv-bench-vllm")
     ap.add_argument("--ready-timeout", type=float, default=900)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
 
-    model_dir, prompts = prepare(args.prompts, args.store)  # the engine is freed before the server loads its own
-    cmd, env = server_command(model_dir, args.port, args.store, ratios[0], max_model_len=8192)
+    model_dir, prompts = prepare(args.prompts, args.store, args.dtype)
+    cmd, env = server_command(model_dir, args.port, args.store, ratios[0], max_model_len=8192, dtype=args.dtype)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     settings = [("vllm serve, full prefill", {"ragkv_skip": True})] + [(f"vllm serve + ragkv r={r:g}", {"ragkv_ratio": r})
                                                                       for r in ratios]
@@ -66,7 +67,7 @@ def main() -> None:
         proc.wait(timeout=60)
     n_tok = statistics.mean(len(p["ids"]) for p in prompts)
     base = statistics.median(rows[settings[0][0]]["ttft"])
-    lines = [f"prompts: {len(prompts)} (test split, mean {n_tok:.0f} tokens), SmolLM2-135M bf16, "
+    lines = [f"prompts: {len(prompts)} (test split, mean {n_tok:.0f} tokens), SmolLM2-135M {args.dtype}, "
              f"vLLM {__import__('vllm').__version__} OpenAI server, block 32, prefix caching off", "",
              "| setting | TTFT median (s) | speed-up | offered |", "|---|---|---|---|"]
     for name, _ in settings:
