@@ -101,9 +101,10 @@ class VllmLayers:
         attn = self.layers[0].self_attn
         self.num_layers = len(self.layers)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        if self.num_heads != cfg.num_attention_heads or self.num_kv_heads != cfg.num_key_value_heads:
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if (self.num_heads, self.num_kv_heads) != (cfg.num_attention_heads, kv_heads):
             raise _refuse(model, f"{self.num_heads} query / {self.num_kv_heads} kv heads on this rank of "
-                                 f"{cfg.num_attention_heads} / {cfg.num_key_value_heads}: tensor parallel")
+                                 f"{cfg.num_attention_heads} / {kv_heads}: tensor parallel")
         self.scaling = float(attn.scaling)
         self.dtype, self.device = body.norm.weight.dtype, body.norm.weight.device
         self.inv_freq = self._inv_freq(attn.rotary_emb)

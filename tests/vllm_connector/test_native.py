@@ -141,3 +141,44 @@ def test_recomputed_rows_attend_by_original_position(vllm_env, vllm_model, monke
         assert max(errs) < 1e-5 and logit_err < 1e-4
     else:  # the first recomputed rows see the rest of the prompt: wrong from layer 0 on
         assert errs[0] > 1e-2 and logit_err > 1e-3
+
+
+def test_ratio_auto_times_vllms_layers(vllm_env):
+    """ratio="auto" (the loading controller) measures the recompute cost on vLLM's layers."""
+    _, engine = vllm_env
+    engine.ensure(DOCS[:2])
+    res = engine.prefill_prompt(engine.build_prompt(QUESTION, DOCS[:2]), ratio="auto")
+    assert engine._controller.cost.c1 > 0
+    assert engine.config.ratio_floor <= res.stats.ratio <= 1.0 and res.stats.hits == 2
+
+
+def test_other_vllm_releases_and_layer_structures_are_refused_by_name(vllm_model, monkeypatch):
+    import vllm
+
+    from ragkv.adapter import UnsupportedModelError
+    from ragkv.integrations.vllm import plugin
+    from ragkv.integrations.vllm.layers import VllmLayers
+
+    attn = vllm_model.model.layers[3].self_attn
+    monkeypatch.setattr(attn, "qk_norm", True, raising=False)
+    with pytest.raises(UnsupportedModelError, match=r"BlendLlamaForCausalLM on vLLM 0\.32\.0: layer 3 uses qk_norm"):
+        VllmLayers(vllm_model)
+    monkeypatch.undo()
+
+    class OtherAttention(type(attn)):  # e.g. another plugin's subclass with a forward of its own
+        def forward(self, positions, hidden_states):
+            return super().forward(positions, hidden_states)
+
+    monkeypatch.setattr(attn, "__class__", OtherAttention)
+    with pytest.raises(UnsupportedModelError, match=r"layer 3's OtherAttention\.forward is not one ragkv repeats"):
+        VllmLayers(vllm_model)
+    monkeypatch.undo()
+    monkeypatch.setattr(vllm, "__version__", "0.33.1")
+    with pytest.raises(UnsupportedModelError, match=r"this is vLLM 0\.33\.1"):
+        VllmLayers(vllm_model)
+    registered = []
+    monkeypatch.setattr(vllm.ModelRegistry, "register_model", lambda *a: registered.append(a))
+    plugin.register()  # leaves vLLM's classes alone on a release it was not checked against
+    assert registered == []
+    monkeypatch.undo()
+    assert VllmLayers(vllm_model).num_layers == 30
