@@ -6,7 +6,8 @@ The server is examples/vllm_serve.py's (`python -m vllm.entrypoints.openai.api_s
 multi-process engine, --dtype (float32 default), prefix caching off, block 32, 127.0.0.1). Prompts: the same test-split
 prompts as bench_vllm.py, chunks precomputed first. Per prompt and setting: POST /v1/completions with
 the prompt's token ids, max_tokens=1 and `kv_transfer_params` ({"ragkv_skip": true} = vLLM's own
-prefill, {"ragkv_ratio": r} = blended); TTFT = request sent -> response received (best of --repeats).
+prefill, {"ragkv_ratio": r} = blended), the settings interleaved in each of --repeats rounds; TTFT =
+request sent -> response received (best of --repeats). The server inherits OMP_NUM_THREADS.
 Writes results/vllm_serve.md and results/vllm_serve.json.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -57,10 +59,13 @@ def main() -> None:
 
         request(prompts[0]["ids"], {"ragkv_skip": True})  # warm-up
         for p in prompts:
-            for name, extra in settings:
-                runs = [request(p["ids"], extra) for _ in range(args.repeats)]
-                rows[name]["ttft"].append(min(t for t, _ in runs))
-                rows[name]["offered"] += bool(runs[-1][1].get("offered"))
+            runs = {name: [] for name, _ in settings}
+            for _ in range(args.repeats):  # settings interleaved, so a burst of other work hits them alike
+                for name, extra in settings:
+                    runs[name].append(request(p["ids"], extra))
+            for name, _ in settings:
+                rows[name]["ttft"].append(min(t for t, _ in runs[name]))
+                rows[name]["offered"] += bool(runs[name][-1][1].get("offered"))
             print(p["id"], len(p["ids"]), "tokens", {n: round(rows[n]["ttft"][-1], 3) for n, _ in settings}, flush=True)
     finally:
         proc.terminate()
@@ -68,7 +73,9 @@ def main() -> None:
     n_tok = statistics.mean(len(p["ids"]) for p in prompts)
     base = statistics.median(rows[settings[0][0]]["ttft"])
     lines = [f"prompts: {len(prompts)} (test split, mean {n_tok:.0f} tokens), SmolLM2-135M {args.dtype}, "
-             f"vLLM {__import__('vllm').__version__} OpenAI server, block 32, prefix caching off", "",
+             f"vLLM {__import__('vllm').__version__} OpenAI server (default multi-process engine), block 32, prefix "
+             f"caching off, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, best of {args.repeats}, "
+             f"load average {os.getloadavg()[0]:.1f} at the end", "",
              "| setting | TTFT median (s) | speed-up | offered |", "|---|---|---|---|"]
     for name, _ in settings:
         med = statistics.median(rows[name]["ttft"])

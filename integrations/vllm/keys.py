@@ -53,7 +53,7 @@ def checkpoint_digest(model_dir: str | Path, dtype: torch.dtype, tied_embeddings
     source = {}  # state_dict name -> (open checkpoint file, its name there)
     for path in _checkpoint_files(Path(model_dir)):
         f = safe_open(str(path), framework="pt")
-        source.update({name: (f, name) for name in f.keys() if not name.endswith(_IGNORED)})
+        source.update({name: (f, name) for name in f.keys() if not name.endswith(_IGNORED)})  # noqa: SIM118 (safe_open)
     if tied_embeddings and "lm_head.weight" not in source and "model.embed_tokens.weight" in source:
         source["lm_head.weight"] = source["model.embed_tokens.weight"]
     h = hashlib.blake2b(digest_size=16)

@@ -26,7 +26,7 @@ def _run(model_dir: str, dtype: str, store: str, prompts: list, namespace: str, 
             engine.ensure(contexts)
             ids.append(engine.build_prompt(question, contexts).input_ids)
         out.put(("ok", ids))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+    except BaseException as e:  # reported to the parent, which raises it
         out.put(("error", f"{type(e).__name__}: {e}"))
 
 
