@@ -17,8 +17,6 @@ else:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of paged cache: plenty for these prompts
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no core pinning on a shared machine
 
-DTYPE = "float32"  # this CPU has no native bf16 (no AVX512-BF16/AMX): fp32 is vLLM's fast dtype here
-
 
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory):
@@ -27,6 +25,7 @@ def vllm_env(tmp_path_factory):
     vLLM's own model: ragkv.integrations.vllm.layers.VllmLayers)."""
     from vllm import LLM
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm_data import DTYPE
 
     from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
     from ragkv.models import convert_smollm2

@@ -3,7 +3,7 @@ blend runs on vLLM's own model (tests/vllm_connector/test_native.py checks it la
 
 from __future__ import annotations
 
-from vllm_data import DOCS
+from vllm_data import DOCS, DTYPE
 
 from ragkv.store.disk import DiskStore
 
@@ -51,8 +51,6 @@ def test_ratio_1_matches_vllms_own_prefill_then_015_answers_from_stored_chunks(v
 
 def test_chunks_precomputed_with_transformers_are_hits(vllm_env):
     """A store `ragkv precompute` filled (transformers model, another process) serves vLLM: same keys."""
-    from conftest import DTYPE
-
     from ragkv.integrations.vllm.precompute import precompute
     from ragkv.models import convert_smollm2
 
