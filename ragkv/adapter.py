@@ -141,11 +141,16 @@ class ModelAdapter:
 
     @classmethod
     def of(cls, model) -> ModelAdapter:
-        """The adapter of ``model`` (one per model object, so every engine over it shares its lock)."""
+        """The adapter of ``model``, one per model object (every engine over it shares its lock). A
+        model that is not a transformers model brings its own implementation of this class's interface
+        (the attributes above, ``lock``, ``embed``, ``rope``, ``run_layer``, ``layer_kv``, ``logits``,
+        ``check_length``, ``prefill_layers``, ``cache_from``) from a ``ragkv_layers()`` method:
+        ragkv.integrations.vllm's blend-aware model classes do, over vLLM's own modules."""
         with _adapters_lock:
             adapter = _adapters.get(model)
             if adapter is None:
-                adapter = _adapters[model] = cls._build(model)
+                own = getattr(model, "ragkv_layers", None)
+                adapter = _adapters[model] = own() if callable(own) else cls._build(model)
         return adapter
 
     @classmethod

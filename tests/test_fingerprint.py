@@ -55,7 +55,7 @@ def test_whatever_changes_the_kv_changes_the_fingerprint(tmp_path):
 
 def test_a_directory_without_safetensors_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match="no \\*.safetensors checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors checkpoint"):
         fingerprint_dir(tmp_path, torch.float32)
 
 

@@ -4,6 +4,8 @@
                      kv_transfer_config={"kv_connector": "RagKVConnector",
                      "kv_connector_module_path": "ragkv.integrations.vllm", ...}
     PromptLayout     recognises a PromptTemplate prompt from its token ids (no vLLM needed)
+    plugin.register  the vllm.general_plugins entry point: blend-aware subclasses of vLLM's Llama,
+                     Qwen2 and Mistral classes, so the blend runs on vLLM's own model (layers.py)
     kv_transfer_config(store, ratio)   that dict, for LLM(...) or `--kv-transfer-config`
     CPU_MEMORY_UTILIZATION             gpu_memory_utilization for vLLM on CPU
 

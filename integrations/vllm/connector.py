@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from ragkv.blend import check_ratio
-from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
+from ragkv.integrations.vllm.engines import ConnectorSettings, scheduler_keys, worker_engine
 from ragkv.integrations.vllm.layout import PromptLayout
+from ragkv.integrations.vllm.models import blend_model
 from ragkv.integrations.vllm.writer import blend_and_write, write_back
 from ragkv.store.errors import StoreError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -112,11 +113,13 @@ class RagKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        mc = vllm_config.model_config
         self._block_size = vllm_config.cache_config.block_size
-        self.engine = engine_for(mc.model, mc.dtype, self.settings)
-        self.layout = PromptLayout.for_template(self.engine.template)
         self.totals: Counter = Counter()  # this side's running counts (see stats())
+        if role == KVConnectorRole.SCHEDULER:  # keys only: no model, no weights
+            self.lookup = scheduler_keys(vllm_config, self.settings)
+            self.layout = PromptLayout.for_template(self.lookup.template)
+        else:  # vLLM built the model in this process before its connector (plugin: ragkv.integrations.vllm.models)
+            self.engine = worker_engine(blend_model(vllm_config), vllm_config, self.settings)
         # scheduler side
         self._plans: dict[str, Plan] = {}
         self._need_load: dict[str, tuple[int, int]] = {}
@@ -133,14 +136,14 @@ class RagKVConnector(KVConnectorBase_V1):
 
     def _stored(self, ids: list[int]) -> bool:
         try:
-            return self.engine.store.contains(self.engine.keys.chunk_key(ids))
+            return self.lookup.store.contains(self.lookup.keys.chunk_key(ids))
         except StoreError as e:
             log.warning("store lookup failed, counted as a miss: %s", e)
             return False
 
     def plan(self, token_ids: list[int]) -> Plan:
         """How the connector reads a prompt (no side effects but store lookups)."""
-        parsed = self.layout.parse(token_ids, self._stored, self.engine.adapter.max_positions)
+        parsed = self.layout.parse(token_ids, self._stored, self.lookup.max_positions)
         if parsed is None:
             return Plan(False, "not a prompt of ragkv's template")
         prompt, stored = parsed

@@ -1,25 +1,28 @@
-"""The connector's ragkv side: one BlendEngine per process over ragkv's own HF copy of vLLM's model.
+"""What each side of the connector runs on, built from vLLM's config; no transformers model anywhere.
 
-vLLM's modules are never patched or called: ragkv loads the same model directory with transformers
-(in vLLM's dtype), so the K/V it blends are the model's own, and writes them into vLLM's paged cache.
-Memory cost: one more copy of the weights in every process that hosts a connector role (the engine
-core process for the scheduler side, each worker for the worker side; one in all with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), plus the blend's working set (the prompt's K/V in the model
-dtype, a few activations of the recomputed rows).
+    scheduler   SchedulerKeys: the store, the prompt template (tokenizer) and the Keyspace of the
+                model's fingerprint read from the checkpoint files in milliseconds
+                (ragkv.fingerprint.fingerprint_dir: the same keys the HF engine and ragkv precompute make)
+    worker      BlendEngine over vLLM's own model in this process (the blend-aware class the plugin
+                registered, ragkv.integrations.vllm.models), through VllmLayers: the selective
+                recompute runs vLLM's modules, weights and kernels
+
+Memory: no second copy of the weights. The worker's blend holds the prompt's K/V in the model dtype
+(2 x layers x kv_heads x head_dim x tokens x dtype bytes; SmolLM2 fp32: 46 KB/token) and the
+recomputed rows' activations while it runs.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-
-import torch
 
 from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.blend.config import DEFAULT_SELECTOR
+from ragkv.fingerprint import fingerprint_dir
+from ragkv.keys import Keyspace
+from ragkv.policy import PrecomputePolicy
+from ragkv.prompt import PromptTemplate
 from ragkv.store import open_store
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -50,22 +53,44 @@ class ConnectorSettings:
         return s
 
 
-_engines: dict[tuple, BlendEngine] = {}
-_lock = threading.Lock()
+def tokenizer_of(vllm_config):
+    """The transformers tokenizer of vLLM's model (a tokenizer only: no weights are read)."""
+    from transformers import AutoTokenizer
+
+    mc = vllm_config.model_config
+    return AutoTokenizer.from_pretrained(mc.tokenizer, local_files_only=True, revision=mc.tokenizer_revision)
 
 
-def engine_for(model_path: str, dtype: torch.dtype, settings: ConnectorSettings) -> BlendEngine:
-    """The process's engine for this model, dtype and store (built once, shared by both roles when
-    the scheduler and the worker live in one process)."""
-    from ragkv.models import load
+@dataclass
+class SchedulerKeys:
+    """What the scheduler side looks chunks up with: no model, no weights in memory."""
 
-    key = (model_path, str(dtype), settings.store, settings.namespace, settings.selector, str(settings.ratio))
-    with _lock:
-        eng = _engines.get(key)
-        if eng is None:
-            model, tok = load(model_path, dtype=dtype)
-            eng = BlendEngine(model, tok, open_store(settings.store),
-                              BlendConfig(ratio=settings.ratio, selector=settings.selector),
-                              namespace=settings.namespace)
-            _engines[key] = eng
-        return eng
+    store: object
+    template: PromptTemplate
+    keys: Keyspace
+    max_positions: int | None
+
+
+def model_fingerprint(vllm_config):
+    """The fingerprint of vLLM's model as it runs (its checkpoint, dtype and config; milliseconds)."""
+    mc = vllm_config.model_config
+    return fingerprint_dir(mc.model, mc.dtype, config=mc.hf_config)
+
+
+def scheduler_keys(vllm_config, settings: ConnectorSettings, tokenizer=None) -> SchedulerKeys:
+    """The scheduler side's lookup keys for vLLM's model: equal to the worker engine's."""
+    mc = vllm_config.model_config
+    template = PromptTemplate.for_tokenizer(tokenizer or tokenizer_of(vllm_config))
+    max_positions = getattr(mc.hf_config, "max_position_embeddings", None)
+    policy = PrecomputePolicy().resolve(max_positions)
+    keys = Keyspace.for_template(model_fingerprint(vllm_config), template, policy, settings.namespace)
+    return SchedulerKeys(open_store(settings.store), template, keys, max_positions)
+
+
+def worker_engine(model, vllm_config, settings: ConnectorSettings, tokenizer=None) -> BlendEngine:
+    """A BlendEngine over vLLM's own ``model`` (ragkv.integrations.vllm.models.blend_model; its
+    layers through ``model.ragkv_layers()``). Raises UnsupportedModelError naming the vLLM version and
+    what differs when its layers are not the ones VllmLayers repeats."""
+    return BlendEngine(model, tokenizer or tokenizer_of(vllm_config), open_store(settings.store),
+                       BlendConfig(ratio=settings.ratio, selector=settings.selector), namespace=settings.namespace,
+                       model_fingerprint=model_fingerprint(vllm_config))

@@ -36,16 +36,16 @@ def blend_and_write(engine, job, layers, block_size: int) -> dict:
     """Blend the job's prompt (ragkv.blend) and write positions [start, end) of every layer's K/V
     into vLLM's cache through the layer's own ``impl.do_kv_cache_update`` (whatever the backend's
     block layout is). -> the blend's stats."""
-    res = engine.prefill_prompt(prompt_of(job), ratio=job.ratio)  # (holds the model's lock)
-    if len(res.cache.layers) != len(layers):
-        raise RuntimeError(f"blend returned {len(res.cache.layers)} layers, vLLM has {len(layers)}")
+    res = engine.prefill_prompt(prompt_of(job), ratio=job.ratio)
+    if len(res.cache) != len(layers):  # VllmLayers.cache_from: per layer (K, V) [1, kv_heads, T - 1, hd]
+        raise RuntimeError(f"blend returned {len(res.cache)} layers, vLLM has {len(layers)}")
     slots = None
-    for layer, kv in zip(layers, res.cache.layers):
+    for layer, (keys, values) in zip(layers, res.cache):
         dev = layer.kv_cache.device
         if slots is None:
             slots = slot_mapping(job.block_ids, job.start, job.end, block_size).to(dev)
-        k = kv.keys[0, :, job.start:job.end].transpose(0, 1).contiguous().to(dev)  # [n, kv_heads, hd]
-        v = kv.values[0, :, job.start:job.end].transpose(0, 1).contiguous().to(dev)
+        k = keys[0, :, job.start:job.end].transpose(0, 1).contiguous().to(dev)  # [n, kv_heads, hd]
+        v = values[0, :, job.start:job.end].transpose(0, 1).contiguous().to(dev)
         layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slots)
     stats = res.stats.as_dict()
     return {k: stats[k] for k in STAT_KEYS}

@@ -34,6 +34,7 @@ from ragkv.blend.cache import Segment
 from ragkv.blend.config import BlendConfig, check_ratio
 from ragkv.blend.request import BlendRequest
 from ragkv.blend.result import BlendResult, BlendStats
+from ragkv.keys import ModelFingerprint
 from ragkv.policy import PrecomputePolicy, StorageFormat
 from ragkv.prefill import Prefiller
 from ragkv.prompt import Prompt, PromptTemplate
@@ -42,6 +43,8 @@ from ragkv.prompt import Prompt, PromptTemplate
 class BlendEngine:
     """CacheBlend over a ragkv store for one model.
 
+    ``model``: a transformers model, or one that brings ragkv's layer interface (``ModelAdapter.of``:
+    ragkv.integrations.vllm's over vLLM's own model, which then also gives ``model_fingerprint``).
     ``config`` (BlendConfig): how requests blend (ratio, selector, pipelined loading).
     ``policy`` (PrecomputePolicy) and ``namespace``: what a chunk's K/V and key are; every reader and
     writer of one store must agree on them. ``storage`` (StorageFormat): how entries this engine
@@ -56,9 +59,10 @@ class BlendEngine:
 
     def __init__(self, model, tokenizer, store, config: BlendConfig | None = None, *,
                  template: PromptTemplate | None = None, policy: PrecomputePolicy | None = None,
-                 storage: StorageFormat | None = None, namespace: str = ""):
+                 storage: StorageFormat | None = None, namespace: str = "",
+                 model_fingerprint: ModelFingerprint | None = None):
         self.prefiller = Prefiller(model, tokenizer, store, template=template, policy=policy, storage=storage,
-                                   namespace=namespace)
+                                   namespace=namespace, model_fingerprint=model_fingerprint)
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.adapter = self.prefiller.adapter
         self.keys = self.prefiller.keys  # what every entry is called (ragkv.keys.Keyspace)

@@ -18,23 +18,26 @@ else:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no core pinning on a shared machine
 
 
-
-
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory):
-    """(llm, engine): vLLM's offline LLM on SmolLM2 (bf16, prefix caching off) with RagKVConnector
-    over a disk store, and the ragkv engine the connector uses (same process, same store)."""
-    import torch
+    """(llm, engine): vLLM's offline LLM on SmolLM2 (fp32, prefix caching off) with RagKVConnector
+    over a disk store, in this process; ``engine`` is the connector's worker-side BlendEngine (over
+    vLLM's own model: ragkv.integrations.vllm.layers.VllmLayers)."""
     from vllm import LLM
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm_data import DTYPE
 
     from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
-    from ragkv.integrations.vllm.engines import ConnectorSettings, engine_for
     from ragkv.models import convert_smollm2
 
     store = f"disk://{tmp_path_factory.mktemp('vllm-store')}"
-    model_dir = str(convert_smollm2())
-    engine = engine_for(model_dir, torch.bfloat16, ConnectorSettings.from_extra({"store": store, "ratio": 0.15}))
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+    llm = LLM(model=str(convert_smollm2()), dtype=DTYPE, enforce_eager=True, enable_prefix_caching=False,
               max_model_len=2048, block_size=32, seed=0,
               gpu_memory_utilization=CPU_MEMORY_UTILIZATION, kv_transfer_config=kv_transfer_config(store, 0.15))
-    return llm, engine
+    return llm, get_kv_transfer_group().engine
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_env):
+    """vLLM's model object (the blend-aware Llama the plugin registered) in this process."""
+    return vllm_env[1].model

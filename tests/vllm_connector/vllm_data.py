@@ -1,4 +1,6 @@
-"""Short documents the connector tests ask about (facts SmolLM2 does not know)."""
+"""Short documents the connector tests ask about (facts SmolLM2 does not know), and the dtype they run in."""
+
+DTYPE = "float32"  # this CPU has no native bf16 (no AVX512-BF16/AMX): fp32 is vLLM's fast dtype here
 
 DOCS = [
     "The lighthouse at Kerran Point was built in 1871 by the engineer Ada Morrow. Its lamp was converted "
