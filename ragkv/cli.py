@@ -167,7 +167,9 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
     """Chunk, prefill and store documents: .txt/.md files, .jsonl (field "text"), folders (recursive).
 
     Idempotent: chunks already in the store are skipped (and copied into tiers that lack them), so a
-    killed run just runs again. Files that are binary, empty or not UTF-8 are reported and skipped.
+    killed run just runs again. Files that are binary, empty or not UTF-8, anything that is not a
+    regular file (FIFOs, devices) and symlinked folders inside a folder (not followed) are reported and
+    skipped; so are .jsonl lines that are not valid JSON or Unicode.
 
     \b
     Exit status: 0 every chunk stored; 1 some chunk failed, or the job stopped early after repeated
