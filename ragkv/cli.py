@@ -184,10 +184,13 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
         raise click.BadParameter("only meaningful with --dtype int8", param_hint="--quant-axis")
     storage = StorageFormat(storage_dtype, quant_axis)
     if use_ray:  # the same job on Ray Data (ragkv/cli_ray.py)
-        summary = precompute_ray(paths, store_uri, shard, allow_eviction, progress, ray_address, workers,
-                                 cpus_per_worker, chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
-                                 model=model_name, model_dtype=model_dtype, sink=sink, gap=gap,
-                                 context=context, lead=lead, namespace=namespace, storage=storage)
+        try:
+            summary = precompute_ray(paths, store_uri, shard, allow_eviction, progress, ray_address, workers,
+                                     cpus_per_worker, chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
+                                     model=model_name, model_dtype=model_dtype, sink=sink, gap=gap,
+                                     context=context, lead=lead, namespace=namespace, storage=storage)
+        except OverBudget as e:
+            _over_budget(e, as_json)
         return _precompute_done(summary, paths, as_json)
     store = _open_store(store_uri)
     with store:
@@ -198,9 +201,17 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
             summary = run(engine, paths=list(paths), chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
                           shard=shard, allow_eviction=allow_eviction, progress=progress)
         except OverBudget as e:
-            click.echo(f"Error: {e}", err=True)
-            sys.exit(2)
+            _over_budget(e, as_json)
     _precompute_done(summary, paths, as_json)
+
+
+def _over_budget(e, as_json: bool) -> None:
+    """Exit 2 for a corpus that cannot fit the store; with --json the summary so far and the error
+    on stdout, as every other exit of the command prints its JSON."""
+    click.echo(f"Error: {e}", err=True)
+    if as_json:
+        click.echo(json.dumps({**(e.summary.as_dict() if e.summary is not None else {}), "error": str(e)}))
+    sys.exit(2)
 
 
 def _precompute_done(summary, paths, as_json) -> None:

@@ -320,6 +320,13 @@ def test_a_corpus_over_the_store_budget_is_refused_before_computing(tmp_path, ti
     assert r.exit_code == 2 and "holds at most" in r.stderr
     r = CliRunner().invoke(main, ["precompute", str(docs), "--store", f"disk://{tmp_path / 's'}?max_bytes=1M",
                                   "--model", str(tiny_smollm2_dir), "--no-progress", "--chunk-tokens", "256",
+                                  "--json"])
+    assert r.exit_code == 2 and "holds at most" in r.stderr
+    refused = json.loads(r.stdout)  # --json prints JSON on this exit too, like the others
+    assert "holds at most" in refused["error"] and refused["docs"] == 40 and refused["planned_bytes"] > 1 << 20
+    assert refused["new"] == 0 and refused["bytes_written"] == 0
+    r = CliRunner().invoke(main, ["precompute", str(docs), "--store", f"disk://{tmp_path / 's'}?max_bytes=1M",
+                                  "--model", str(tiny_smollm2_dir), "--no-progress", "--chunk-tokens", "256",
                                   "--allow-eviction"])
     assert r.exit_code == 0, r.output
 
