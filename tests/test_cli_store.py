@@ -146,6 +146,30 @@ def test_disk_path_that_is_a_file(tmp_path):
 # ---- redis: unreachable, wrong password, secrets, namespaces ---------------------------------------------
 
 
+def test_a_redis_uri_whose_database_parts_disagree_is_refused():
+    """`redis://host/11?db=12` once printed db 12 and cleared db 11."""
+    for cmd in (["clear", "--yes"], ["stats"]):
+        r = _invoke(cmd[0], "--store", f"redis://127.0.0.1:{free_port()}/11?db=12&namespace=z", *cmd[1:])
+        assert r.exit_code == 2 and "disagree" in r.output and "/11" in r.output and "db=12" in r.output, r.output
+    with pytest.raises(ValueError, match="disagree"):
+        open_store("memory,redis://127.0.0.1:6379/3?db=4")
+
+
+@pytest.mark.redis
+def test_agreeing_database_parts_work_and_disagreeing_ones_clear_nothing(redis_server, redis_ns):
+    base = redis_server.url.rsplit("/", 1)[0]
+    for db in (11, 12):
+        with open_store(f"{base}/{db}?namespace={redis_ns}") as s:
+            _put(s, 1 + db - 11)
+    assert _invoke("clear", "--store", f"{base}/11?db=12&namespace={redis_ns}", "--yes").exit_code == 2
+    r = _invoke("stats", "--store", f"{base}/12?db=12&namespace={redis_ns}", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["tiers"][0]["entries"] == 2
+    for db, n in ((11, 1), (12, 2)):
+        with open_store(f"{base}/{db}?namespace={redis_ns}") as s:
+            assert len(list(s.keys())) == n
+            s.clear()
+
+
 def _dead_redis() -> str:
     return f"redis://:{SECRET}@127.0.0.1:{free_port()}/0"
 

@@ -157,6 +157,9 @@ def open_one(uri: str) -> KVStore:
     o, client = _opts("redis", parts.query)
     if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]+", parts.path):
         raise ValueError(f"redis database in the path must be a number (/0, /1, ...): {redact_uri(uri)!r}")
+    if "db" in client and parts.path not in ("", "/") and int(parts.path[1:]) != client["db"]:
+        raise ValueError(f"the redis database is given twice and they disagree: /{parts.path[1:]} in the path, "
+                         f"db={client['db']} in the options; give one: {redact_uri(uri)!r}")
     cluster = "+cluster" in scheme or _bool("cluster", o.get("cluster", "0"))
     base_scheme = scheme.replace("+cluster", "")
     if base_scheme != "rediss" and any(k.startswith("ssl_") for k in client):
