@@ -62,15 +62,17 @@ def main() -> None:
     """
 
 
-def _open_store(uris: str):
+def _open_store(uris: str, param_hint: str = "--store", **options):
     """The store of --store: a bad URI is a usage error (exit 2), a backend that cannot be opened
-    (e.g. an unwritable disk root) an error (exit 1). Messages never show secrets."""
+    (e.g. an unwritable disk root) an error (exit 1). Messages never show secrets. ``options``:
+    ``open_store``'s (``create=False``: a missing disk store is an error, not created;
+    ``read_only=True``: nothing is created, locked or swept)."""
     from ragkv.store import StoreError, open_store
 
     try:
-        return open_store(uris)
+        return open_store(uris, **options)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--store") from None
+        raise click.BadParameter(str(e), param_hint=param_hint) from None
     except StoreError as e:
         raise click.ClickException(f"store unavailable: {e}") from None
 
@@ -248,8 +250,8 @@ def _tier_rows(store) -> list[dict]:
 @click.option("--json", "as_json", is_flag=True, help='one JSON object: {"tiers": [{"uri", "entries", ...}]}')
 def stats(store_uri, as_json):
     """Entries and bytes per tier, and this process's hit/miss/corruption counters. Exit status 1
-    when a tier is unavailable (shown as such)."""
-    with _open_store(store_uri) as store:
+    when a tier is unavailable (shown as such). Only looks: creates, locks, sweeps nothing."""
+    with _open_store(store_uri, read_only=True) as store:
         rows = _tier_rows(store)
     if as_json:
         click.echo(json.dumps({"tiers": rows}))
@@ -271,10 +273,11 @@ def stats(store_uri, as_json):
 @click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 def clear(store_uri, yes):
-    """Delete every entry of the store (every tier)."""
+    """Delete every entry of the store (every tier); a disk store that is not there is an error
+    (nothing is created), files in it that are not entries are left alone."""
     from ragkv.store import StoreError
 
-    with _open_store(store_uri) as store:
+    with _open_store(store_uri, create=False) as store:
         _check(getattr(store, "tiers", [store]))
         try:
             n = sum(1 for _ in store.keys())  # noqa: SIM118 - KVStore.keys()
@@ -284,6 +287,11 @@ def clear(store_uri, yes):
         except StoreError as e:
             raise click.ClickException(str(e)) from None
         click.echo(f"cleared {n} entries from {store.uri}", err=True)
+        for tier in getattr(store, "tiers", [store]):
+            others = tier.foreign_files() if hasattr(tier, "foreign_files") else []
+            if others:
+                click.echo(f"{tier.uri}: left {len(others)} file(s) that are not ragkv entries, e.g. {others[0]}",
+                           err=True)
 
 
 @main.command()
@@ -302,7 +310,7 @@ def evict(store_uri, max_bytes, yes):
         raise click.BadParameter(str(e), param_hint="--max-bytes") from None
     if limit is None:
         raise click.BadParameter("give a size of at least 1M (to empty a store: `ragkv clear`)", param_hint="--max-bytes")
-    with _open_store(store_uri) as store:
+    with _open_store(store_uri, create=False) as store:
         tiers = getattr(store, "tiers", [store])
         _check(t for t in tiers if hasattr(t, "plan_eviction"))
         for tier in tiers:
