@@ -8,7 +8,8 @@
 Model work never runs on the event loop: each request is a prefill step then one step per token on
 the worker thread (ragkv.integrations.serve.worker). Between steps the request checks its client: a
 client that went away stops its generation (counted in ``ragkv_requests_cancelled_total``).
-Errors are OpenAI-style JSON (``{"error": {message, type, param, code}}``); an
+Every request first passes the guard (ragkv.integrations.serve.guard: Host allow-list, API key, JSON
+only, body size). Errors are OpenAI-style JSON (``{"error": {message, type, param, code}}``); an
 unexpected one is a 500 whose body says only that, the traceback goes to the server log. Every
 admitted request gives its place back on every way out (``worker.Slot``).
 """
@@ -28,11 +29,13 @@ from starlette.exceptions import HTTPException
 from ragkv.store.errors import StoreError
 
 from .chat import Generation
+from .guard import Guard
 from .metrics import Metrics
 from .protocol import ApiError, chunk, completion, new_id, parse_request, sse, usage
 from .worker import Slot, Worker
 
 log = logging.getLogger("ragkv.serve")
+DEFAULT_MAX_BODY = 2 << 20  # bytes (--max-body 2M): far more than any model window's worth of text
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -55,10 +58,13 @@ class _Stream(StreamingResponse):
 
 
 def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, default_max_tokens: int = 256,
-               close_store: bool = True) -> FastAPI:
+               close_store: bool = True, api_key: str | None = None, metrics_public: bool = False,
+               allowed_hosts=None, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     """The app serving ``engine`` (a BlendEngine) as ``model_id``. ``ratio``: the recompute ratio of
     every request (None: the engine's config). On shutdown the queued steps are dropped, the running
-    one finishes, and the engine's store is closed (``close_store``)."""
+    one finishes, and the engine's store is closed (``close_store``). ``api_key``, ``metrics_public``,
+    ``allowed_hosts`` (None: any Host) and ``max_body`` (bytes): what every request passes first
+    (ragkv.integrations.serve.guard)."""
     worker, metrics = Worker(max_queue), Metrics()
 
     @asynccontextmanager
@@ -72,6 +78,13 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
 
     app = FastAPI(title="ragkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker, app.state.metrics = worker, metrics
+
+    def refused(path: str, status: int) -> None:
+        if path == "/v1/chat/completions":
+            metrics.answered(status)
+
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body=max_body,
+                       metrics_public=metrics_public, on_refused=refused)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):

@@ -12,6 +12,22 @@ import click
 
 from ragkv.cli import _check, _engine, _model_options, _open_store, _policy_options
 
+from .guard import LOOPBACK_NAMES, is_loopback
+
+log = logging.getLogger("ragkv.serve")
+
+
+def _size(ctx, param, value: str) -> int:
+    from ragkv.store.values import size_from_str
+
+    try:
+        n = size_from_str(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    if n is None:
+        raise click.BadParameter(f"give a size (e.g. 2M), got {value!r}")
+    return n
+
 
 def _ratio(ctx, param, value: str):
     if value == "auto":
@@ -47,15 +63,29 @@ def _ratio(ctx, param, value: str):
               help="torch intra-op threads of the model  [default: torch's]")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--api-key", envvar="RAGKV_API_KEY", default=None,
+              help="require 'Authorization: Bearer KEY' (401 otherwise; /health stays open). Prefer the env "
+                   "RAGKV_API_KEY: a command line is visible to other users")
+@click.option("--metrics-public", is_flag=True, help="serve /metrics without the API key")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="also answer requests whose Host is NAME (repeatable); a loopback bind answers only "
+                   "localhost/127.0.0.1/::1 otherwise (DNS rebinding), any other bind any Host unless given")
+@click.option("--max-body", default="2M", show_default=True, callback=_size,
+              help="largest request body (413 beyond it, refused before it is parsed)")
 @_policy_options
 def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_queue, default_max_tokens,
-          served_model_name, namespace, shutdown_timeout, threads, log_level, sink, gap, context, lead):
+          served_model_name, namespace, shutdown_timeout, threads, log_level, api_key, metrics_public, allow_hosts,
+          max_body, sink, gap, context, lead):
     """OpenAI-compatible chat completions answered from cached chunks (needs ragkv[serve]).
 
     \b
     POST /v1/chat/completions  (messages + "documents": each one cached chunk; stream: true = SSE)
     GET  /v1/models  /health  /metrics (Prometheus)
     Stops cleanly on SIGTERM: in-flight requests get --shutdown-timeout seconds, the store is closed.
+
+    \b
+    Exposing it beyond this machine: set RAGKV_API_KEY, bind --host 0.0.0.0 (it warns without a
+    key), keep --max-body small.
     """
     try:
         import uvicorn
@@ -72,7 +102,15 @@ def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_q
         import torch
 
         torch.set_num_threads(threads)
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty (unset RAGKV_API_KEY for a server without one)",
+                                 param_hint="--api-key")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loopback = is_loopback(host)
+    if not loopback and not api_key:
+        log.warning("listening on %s without an API key: anyone who can reach this address can use the model; "
+                    "set RAGKV_API_KEY (or --api-key)", host)
+    allowed = [*LOOPBACK_NAMES, *allow_hosts] if loopback else (list(allow_hosts) or None)
     store = _open_store(store_uri)
     try:
         _check([store])
@@ -82,7 +120,8 @@ def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_q
         store.close()
         raise
     model_id = served_model_name or (Path(model_name).name if Path(model_name).is_dir() else model_name)
-    app = create_app(engine, model_id, max_queue=max_queue, default_max_tokens=default_max_tokens)
+    app = create_app(engine, model_id, max_queue=max_queue, default_max_tokens=default_max_tokens,
+                     api_key=api_key, metrics_public=metrics_public, allowed_hosts=allowed, max_body=max_body)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=log_level == "debug")
     # uvicorn re-raises the signal it stopped on once it has shut down; with these handlers in place that

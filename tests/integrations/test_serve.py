@@ -202,7 +202,7 @@ ERRORS = [
 
 @pytest.mark.parametrize("body,status,param,code", ERRORS)
 def test_bad_requests_get_openai_errors(server, body, status, param, code):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, **kw)
     assert r.status_code == status
     err = r.json()["error"]
@@ -315,6 +315,8 @@ def test_cli_finds_serve_through_its_entry_point():
     assert listing.exit_code == 0 and "serve" in listing.output
     help_ = runner.invoke(main, ["serve", "--help"])
     assert help_.exit_code == 0 and "--max-queue" in help_.output and "--ratio" in help_.output
+    for option in ("--api-key", "--metrics-public", "--allow-host", "--max-body"):
+        assert option in help_.output
     bad = runner.invoke(main, ["serve", "--store", "memory", "--ratio", "2"])
     assert bad.exit_code == 2 and "--ratio" in bad.output and "'2'" in bad.output
     bad = runner.invoke(main, ["serve", "--store", "nosuch://x"])

@@ -4,6 +4,9 @@ loopback ports, driven over real sockets with httpx and the openai client.
 - a failing request always gives its place in the queue back (2x --max-queue of them, then a good one)
 - bad values are 400s naming the field, never 500s: seeds torch cannot take, lone surrogates, `n`
   that is not the integer 1, options that would be silently ignored (logit_bias, penalties)
+- bodies: --max-body enforced before parsing (413), JSON only (415), so a web page cannot post one
+- who may ask: --api-key (401 in OpenAI's shape; /health open; /metrics behind it unless
+  --metrics-public), a Host allow-list on loopback binds (DNS rebinding), a warning on a public bind
 - the layout of a prompt cannot be moved by what a message holds
 
 The model is the tiny random Llama with SmolLM2's tokenizer (nothing here depends on answer quality).
@@ -12,11 +15,16 @@ The model is the tiny random Llama with SmolLM2's tokenizer (nothing here depend
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 import uuid
 
 import httpx
 import openai
 import pytest
+from redis_server import free_port
 from serve_server import ServeProcess
 
 MODEL = "tiny"
@@ -192,3 +200,134 @@ def test_the_question_marker_in_a_message_cannot_move_the_layout(server, tiny_sm
     r = post(server, body)  # the server builds the same layout
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == prompt.num_tokens
+
+
+# ---------------------------------------------------------------------------- bodies
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    """--max-body (default 2M): 413 from the Content-Length, or once the bytes read pass it without
+    one (chunked); a 3 MB body was tokenized on the model thread before (400 after seconds)."""
+    big = json.dumps(chat("x " * (3 << 19))).encode()  # ~3 MB
+    t0 = time.monotonic()
+    err = assert_error(post(server, big), 413, None, "request_too_large")
+    assert "--max-body" in err["message"] and str(2 << 20) in err["message"]
+
+    def chunks():
+        for i in range(0, len(big), 1 << 16):
+            yield big[i : i + (1 << 16)]
+
+    assert_error(post(server, chunks()), 413, None, "request_too_large")
+    assert time.monotonic() - t0 < 60  # (not a timing target: only that nothing waited on tokenizing)
+    assert queue_depth(server) == 0 and post(server, chat()).status_code == 200
+
+
+def test_only_json_bodies_are_taken(server):
+    """A web page can POST text/plain cross-origin without a preflight; it is refused (415) before
+    anything is computed or stored."""
+    before = server.metrics()
+    body = json.dumps(chat(documents=fresh_docs(2))).encode()
+    for headers in ({"Content-Type": "text/plain", "Origin": "http://evil.example"},
+                    {"Content-Type": "application/x-www-form-urlencoded"}, {"Content-Type": ""}):
+        r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers=headers, timeout=30)
+        err = assert_error(r, 415, None, "unsupported_media_type")
+        assert "application/json" in err["message"]
+    after = server.metrics()
+    assert after["ragkv_chunk_misses_total"] == before["ragkv_chunk_misses_total"]
+    assert after['ragkv_requests_total{status="415"}'] - before.get('ragkv_requests_total{status="415"}', 0) == 3
+    r = post(server, chat(), headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("host", ["evil.example", f"evil.example:{8000}", "127.0.0.1.evil.example", ""])
+def test_a_loopback_server_answers_only_loopback_host_names(server, host):
+    """DNS rebinding: a page on evil.example whose name resolves to 127.0.0.1 sends Host: evil.example."""
+    for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/chat/completions")):
+        r = httpx.request(method, f"{server.url}{path}", headers={"Host": host, "Content-Type": "application/json"},
+                          content=json.dumps(chat()).encode() if method == "POST" else None, timeout=30)
+        err = assert_error(r, 403, None, "host_not_allowed")
+        assert "--allow-host" in err["message"]
+
+
+def test_loopback_host_names_are_answered(server):
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", f"[::1]:{server.port}", "LOCALHOST"):
+        assert httpx.get(f"{server.url}/v1/models", headers={"Host": host}, timeout=30).status_code == 200
+
+
+# ---------------------------------------------------------------------------- who may ask
+
+@pytest.fixture(scope="module")
+def keyed(tiny_smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("keyed")
+    proc = _serve(tiny_smollm2_dir, f"disk://{root}/store", "--allow-host", "ragkv.internal",
+                  env={"RAGKV_API_KEY": KEY})
+    yield proc
+    proc.stop()
+
+
+def test_without_the_key_nothing_but_health(keyed):
+    body = chat(documents=fresh_docs(1))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
+                    {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
+        r = post(keyed, body, headers=headers)
+        err = assert_error(r, 401, None, "invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer" and err["type"] == "invalid_request_error"
+        assert KEY not in r.text
+    for path in ("/v1/models", f"/v1/models/{MODEL}", "/metrics", "/v1/nothing"):
+        assert_error(httpx.get(f"{keyed.url}{path}", timeout=30), 401, None, "invalid_api_key")
+    assert httpx.get(f"{keyed.url}/health", timeout=30).json()["status"] == "ok"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    m = keyed.metrics(headers=auth)
+    assert m["ragkv_chunk_misses_total"] == 0 and m['ragkv_requests_total{status="401"}'] == 5
+    assert KEY not in keyed.output()
+
+
+def test_the_openai_client_with_and_without_the_key(keyed):
+    bad = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert e.value.body["code"] == "invalid_api_key" and "RAGKV_API_KEY" in e.value.body["message"]
+    good = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert [m.id for m in good.models.list().data] == [MODEL]
+    r = good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                     extra_body={"documents": fresh_docs(1)})
+    assert r.model_extra["ragkv"]["misses"] == 1
+
+
+def test_allow_host_adds_a_name(keyed):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{keyed.url}/v1/models", headers={**auth, "Host": "ragkv.internal:443"}).status_code == 200
+    assert_error(httpx.get(f"{keyed.url}/v1/models", headers={**auth, "Host": "other.internal"}), 403, None,
+                 "host_not_allowed")
+
+
+def test_public_bind_with_key_and_public_metrics(tiny_smollm2_dir, tmp_path):
+    """--host 0.0.0.0 with a key: no warning, any Host (a public name is the point), /metrics open with
+    --metrics-public, everything else behind the key."""
+    proc = _serve(tiny_smollm2_dir, f"disk://{tmp_path}/store", "--host", "0.0.0.0", "--api-key", KEY,
+                  "--metrics-public")
+    try:
+        assert "ragkv_queue_depth" in httpx.get(f"{proc.url}/metrics", headers={"Host": "ragkv.example.com"}).text
+        assert_error(post(proc, chat(), headers={"Host": "ragkv.example.com"}), 401, None, "invalid_api_key")
+        assert post(proc, chat(), headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert "without an API key" not in proc.output()
+    finally:
+        proc.stop()
+
+
+def test_public_bind_without_key_warns(tiny_smollm2_dir, tmp_path):
+    proc = _serve(tiny_smollm2_dir, f"disk://{tmp_path}/store", "--host", "0.0.0.0")
+    try:
+        log = proc.output()
+        assert "WARNING" in log and "0.0.0.0 without an API key" in log and "RAGKV_API_KEY" in log
+    finally:
+        proc.stop()
+
+
+def test_an_empty_api_key_is_refused(tiny_smollm2_dir, tmp_path):
+    """RAGKV_API_KEY set but blank is a mistake, not "no key" (a subprocess: a server that started
+    anyway would never return)."""
+    cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--store", f"disk://{tmp_path}/s", "--model",
+           str(tiny_smollm2_dir), "--port", str(free_port())]
+    r = subprocess.run(cmd, env={**os.environ, "RAGKV_API_KEY": " "}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--api-key" in r.stderr and "empty" in r.stderr, r.stderr
+    assert not (tmp_path / "s").exists()

@@ -45,7 +45,8 @@ def test_smollm2_done_when(tmp_path, smollm2):
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(ask, ROWS[:8]))
         assert all(a.choices[0].finish_reason in ("stop", "length") and a.choices[0].message.content for a in answers)
-        r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{", timeout=60)
+        r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{", timeout=60,
+                       headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         assert server.terminate() == 0
     finally:
