@@ -32,6 +32,7 @@ from .chat import Generation
 from .guard import Guard
 from .metrics import Metrics
 from .protocol import ApiError, chunk, completion, new_id, parse_request, sse, usage
+from .store import ServeStore
 from .worker import Slot, Worker
 
 log = logging.getLogger("ragkv.serve")
@@ -64,8 +65,10 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
     every request (None: the engine's config). On shutdown the queued steps are dropped, the running
     one finishes, and the engine's store is closed (``close_store``). ``api_key``, ``metrics_public``,
     ``allowed_hosts`` (None: any Host) and ``max_body`` (bytes): what every request passes first
-    (ragkv.integrations.serve.guard)."""
+    (ragkv.integrations.serve.guard). When the engine's store is a ``ServeStore``
+    (ragkv.integrations.serve.store), its write policy's counters are in /metrics."""
     worker, metrics = Worker(max_queue), Metrics()
+    writes = engine.store.policy if isinstance(engine.store, ServeStore) else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -112,7 +115,7 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(worker.admitted, worker.max_queue),
+        return PlainTextResponse(metrics.render(worker.admitted, worker.max_queue, writes),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     model_card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "ragkv"}

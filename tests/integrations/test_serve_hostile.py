@@ -7,6 +7,8 @@ loopback ports, driven over real sockets with httpx and the openai client.
 - bodies: --max-body enforced before parsing (413), JSON only (415), so a web page cannot post one
 - who may ask: --api-key (401 in OpenAI's shape; /health open; /metrics behind it unless
   --metrics-public), a Host allow-list on loopback binds (DNS rebinding), a warning on a public bind
+- what a client may write: nothing into --store; request-computed K/V goes to a bounded write store
+  under --write-policy, so clients never evict the precomputed corpus
 - the layout of a prompt cannot be moved by what a message holds
 
 The model is the tiny random Llama with SmolLM2's tokenizer (nothing here depends on answer quality).
@@ -20,12 +22,17 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
+from integration_data import DOCS
 from redis_server import free_port
 from serve_server import ServeProcess
+
+from ragkv.cli import main
 
 MODEL = "tiny"
 QUEUE = 2  # --max-queue of the main server: a place never given back shows after 2 requests
@@ -331,3 +338,83 @@ def test_an_empty_api_key_is_refused(tiny_smollm2_dir, tmp_path):
     r = subprocess.run(cmd, env={**os.environ, "RAGKV_API_KEY": " "}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--api-key" in r.stderr and "empty" in r.stderr, r.stderr
     assert not (tmp_path / "s").exists()
+
+
+# ---------------------------------------------------------------------------- what a client may write
+
+def _keys(store_dir: Path) -> set[str]:
+    return {p.name for p in (store_dir / "objects").glob("*/*.kv")}
+
+
+def test_client_writes_never_evict_the_corpus(tiny_smollm2_dir, tmp_path):
+    """A corpus precomputed into a bounded disk store; clients then send documents it lacks, many more
+    bytes of them than the store's slack. Every corpus entry stays (they went into the corpus store
+    and evicted it by LRU before), and the corpus is still hit."""
+    corpus = tmp_path / "corpus"
+    r = CliRunner().invoke(main, ["precompute", *map(str, sorted(DOCS.glob("*.md"))), "--store", f"disk://{corpus}",
+                                  "--model", str(tiny_smollm2_dir), "--model-dtype", "float32", "--no-progress",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    stored = _keys(corpus)
+    size = sum(p.stat().st_size for p in (corpus / "objects").glob("*/*.kv"))
+    budget = size + (1 << 20)  # 1 MiB of slack
+    proc = _serve(tiny_smollm2_dir, f"disk://{corpus}?max_bytes={budget}")
+    try:
+        c = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for _ in range(8):  # 8 x 3 documents of ~100 tokens, 2 entries each at ~1 KiB per token: ~5 MiB
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                      extra_body={"documents": fresh_docs(3, words=40)})
+        assert _keys(corpus) == stored  # not one corpus entry evicted, nothing added
+        m = proc.metrics()
+        assert m["ragkv_store_write_bytes_total"] > budget - size  # the clients wrote more than the slack
+        docs = [p.read_text() for p in sorted(DOCS.glob("*.md"))]
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                      extra_body={"documents": docs[:2]})
+        assert r.model_extra["ragkv"]["hits"] == 2
+    finally:
+        proc.stop()
+
+
+def test_write_policy_none_keeps_nothing(tiny_smollm2_dir, tmp_path):
+    proc = _serve(tiny_smollm2_dir, f"disk://{tmp_path}/store", "--write-policy", "none")
+    try:
+        docs = fresh_docs(2)
+        stats = [post(proc, chat(documents=docs)).json()["ragkv"] for _ in range(2)]
+        assert [(s["hits"], s["misses"]) for s in stats] == [(0, 2), (0, 2)]  # computed for each request, kept nowhere
+        m = proc.metrics()
+        assert m["ragkv_store_writes_total"] == 0 and m["ragkv_store_writes_refused_total"] > 0
+        assert _keys(tmp_path / "store") == set()
+    finally:
+        proc.stop()
+
+
+def test_write_quota_bounds_what_is_kept(tiny_smollm2_dir, tmp_path):
+    quota = 300 << 10
+    proc = _serve(tiny_smollm2_dir, f"disk://{tmp_path}/store", "--write-policy", "quota", "--write-quota", "300K",
+                  "--write-window", "3600", "--write-store", f"disk://{tmp_path}/requests?max_bytes=1G")
+    try:
+        first = fresh_docs(1, words=20)
+        assert post(proc, chat(documents=first)).json()["ragkv"]["misses"] == 1
+        for _ in range(4):
+            assert post(proc, chat(documents=fresh_docs(3, words=40))).status_code == 200
+        m = proc.metrics()
+        assert 0 < m["ragkv_store_write_bytes_total"] <= quota and m["ragkv_store_writes_refused_total"] > 0
+        kept = sum(p.stat().st_size for p in (tmp_path / "requests" / "objects").glob("*/*.kv"))
+        assert kept == m["ragkv_store_write_bytes_total"]
+        assert _keys(tmp_path / "store") == set()  # --store is only read
+        assert post(proc, chat(documents=first)).json()["ragkv"]["hits"] == 1  # kept within the quota: a hit
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("write_store,match", [
+    ("disk://{tmp}/corpus?max_bytes=1G", "also in --store"),
+    ("memory,disk://{tmp}/corpus", "also in --store"),
+    ("disk://{tmp}/requests?max_bytes=none", "unbounded"),
+    ("memory://?max_bytes=none", "unbounded"),
+    ("redis://127.0.0.1:6379/0?namespace=req", "ttl="),
+])
+def test_a_write_store_that_could_hurt_the_corpus_is_refused(tmp_path, write_store, match):
+    r = CliRunner().invoke(main, ["serve", "--store", f"disk://{tmp_path}/corpus",
+                                  "--write-store", write_store.format(tmp=tmp_path)])
+    assert r.exit_code == 2 and "--write-store" in r.output and match in r.output, r.output
