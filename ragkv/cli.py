@@ -62,15 +62,17 @@ def main() -> None:
     """
 
 
-def _open_store(uris: str):
+def _open_store(uris: str, param_hint: str = "--store", **options):
     """The store of --store: a bad URI is a usage error (exit 2), a backend that cannot be opened
-    (e.g. an unwritable disk root) an error (exit 1). Messages never show secrets."""
+    (e.g. an unwritable disk root) an error (exit 1). Messages never show secrets. ``options``:
+    ``open_store``'s (``create=False``: a missing disk store is an error, not created;
+    ``read_only=True``: nothing is created, locked or swept)."""
     from ragkv.store import StoreError, open_store
 
     try:
-        return open_store(uris)
+        return open_store(uris, **options)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--store") from None
+        raise click.BadParameter(str(e), param_hint=param_hint) from None
     except StoreError as e:
         raise click.ClickException(f"store unavailable: {e}") from None
 
@@ -168,7 +170,9 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
     """Chunk, prefill and store documents: .txt/.md files, .jsonl (field "text"), folders (recursive).
 
     Idempotent: chunks already in the store are skipped (and copied into tiers that lack them), so a
-    killed run just runs again. Files that are binary, empty or not UTF-8 are reported and skipped.
+    killed run just runs again. Files that are binary, empty or not UTF-8, anything that is not a
+    regular file (FIFOs, devices) and symlinked folders inside a folder (not followed) are reported and
+    skipped; so are .jsonl lines that are not valid JSON or Unicode.
 
     \b
     Exit status: 0 every chunk stored; 1 some chunk failed, or the job stopped early after repeated
@@ -183,10 +187,13 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
         raise click.BadParameter("only meaningful with --dtype int8", param_hint="--quant-axis")
     storage = StorageFormat(storage_dtype, quant_axis)
     if use_ray:  # the same job on Ray Data (ragkv/cli_ray.py)
-        summary = precompute_ray(paths, store_uri, shard, allow_eviction, progress, ray_address, workers,
-                                 cpus_per_worker, chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
-                                 model=model_name, model_dtype=model_dtype, sink=sink, gap=gap,
-                                 context=context, lead=lead, namespace=namespace, storage=storage)
+        try:
+            summary = precompute_ray(paths, store_uri, shard, allow_eviction, progress, ray_address, workers,
+                                     cpus_per_worker, chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
+                                     model=model_name, model_dtype=model_dtype, sink=sink, gap=gap,
+                                     context=context, lead=lead, namespace=namespace, storage=storage)
+        except OverBudget as e:
+            _over_budget(e, as_json)
         return _precompute_done(summary, paths, as_json)
     store = _open_store(store_uri)
     with store:
@@ -197,9 +204,17 @@ def precompute(paths, store_uri, model_name, model_dtype, chunk_tokens, storage_
             summary = run(prefiller, paths=list(paths), chunk_tokens=chunk_tokens, batch_tokens=batch_tokens,
                           shard=shard, allow_eviction=allow_eviction, progress=progress)
         except OverBudget as e:
-            click.echo(f"Error: {e}", err=True)
-            sys.exit(2)
+            _over_budget(e, as_json)
     _precompute_done(summary, paths, as_json)
+
+
+def _over_budget(e, as_json: bool) -> None:
+    """Exit 2 for a corpus that cannot fit the store; with --json the summary so far and the error
+    on stdout, as every other exit of the command prints its JSON."""
+    click.echo(f"Error: {e}", err=True)
+    if as_json:
+        click.echo(json.dumps({**(e.summary.as_dict() if e.summary is not None else {}), "error": str(e)}))
+    sys.exit(2)
 
 
 def _precompute_done(summary, paths, as_json) -> None:
@@ -236,8 +251,8 @@ def _tier_rows(store) -> list[dict]:
 @click.option("--json", "as_json", is_flag=True, help='one JSON object: {"tiers": [{"uri", "entries", ...}]}')
 def stats(store_uri, as_json):
     """Entries and bytes per tier, and this process's hit/miss/corruption counters. Exit status 1
-    when a tier is unavailable (shown as such)."""
-    with _open_store(store_uri) as store:
+    when a tier is unavailable (shown as such). Only looks: creates, locks, sweeps nothing."""
+    with _open_store(store_uri, read_only=True) as store:
         rows = _tier_rows(store)
     if as_json:
         click.echo(json.dumps({"tiers": rows}))
@@ -259,10 +274,11 @@ def stats(store_uri, as_json):
 @click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 def clear(store_uri, yes):
-    """Delete every entry of the store (every tier)."""
+    """Delete every entry of the store (every tier); a disk store that is not there is an error
+    (nothing is created), files in it that are not entries are left alone."""
     from ragkv.store import StoreError
 
-    with _open_store(store_uri) as store:
+    with _open_store(store_uri, create=False) as store:
         _check(getattr(store, "tiers", [store]))
         try:
             n = sum(1 for _ in store.keys())  # noqa: SIM118 - KVStore.keys()
@@ -272,6 +288,11 @@ def clear(store_uri, yes):
         except StoreError as e:
             raise click.ClickException(str(e)) from None
         click.echo(f"cleared {n} entries from {store.uri}", err=True)
+        for tier in getattr(store, "tiers", [store]):
+            others = tier.foreign_files() if hasattr(tier, "foreign_files") else []
+            if others:
+                click.echo(f"{tier.uri}: left {len(others)} file(s) that are not ragkv entries, e.g. {others[0]}",
+                           err=True)
 
 
 @main.command()
@@ -290,7 +311,7 @@ def evict(store_uri, max_bytes, yes):
         raise click.BadParameter(str(e), param_hint="--max-bytes") from None
     if limit is None:
         raise click.BadParameter("give a size of at least 1M (to empty a store: `ragkv clear`)", param_hint="--max-bytes")
-    with _open_store(store_uri) as store:
+    with _open_store(store_uri, create=False) as store:
         tiers = getattr(store, "tiers", [store])
         _check(t for t in tiers if hasattr(t, "plan_eviction"))
         for tier in tiers:

@@ -39,7 +39,9 @@ def precompute_ray(paths, store_uri, shard, allow_eviction, progress, address, w
         return run(EngineSpec(store_uri=store_uri, **spec), paths=list(paths), chunk_tokens=chunk_tokens,
                    batch_tokens=batch_tokens, workers=workers, cpus_per_worker=cpus_per_worker,
                    address=address, allow_eviction=allow_eviction, progress=progress)
-    except (OverBudget, ValueError) as e:
+    except OverBudget:
+        raise  # (the command prints it, with --json as JSON)
+    except ValueError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(2)
     except StoreError as e:

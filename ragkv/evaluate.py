@@ -35,6 +35,7 @@ import torch
 
 from ragkv.blend import BlendEngine, BlendResult
 from ragkv.blend.select import Selector, make_selector
+from ragkv.sources import lone_surrogate
 
 
 @dataclass
@@ -63,6 +64,10 @@ def load_questions(path: str | Path) -> list[Question]:
             raise ValueError(f"{path}:{n}: 'contexts' must be a non-empty list of non-empty strings")
         if ans is not None and not isinstance(ans, str):
             raise ValueError(f"{path}:{n}: 'answer' must be a string when given")
+        for name, value in (("question", q), *((f"contexts[{i}]", c) for i, c in enumerate(ctx)), ("answer", ans or "")):
+            why = lone_surrogate(value)
+            if why:
+                raise ValueError(f"{path}:{n}: {name!r} holds {why}")
         out.append(Question(q, ctx, ans))
     if not out:
         raise ValueError(f"{path}: no questions")

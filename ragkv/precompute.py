@@ -90,7 +90,12 @@ class PrecomputeSummary:
 
 
 class OverBudget(ValueError):
-    """The planned entries cannot fit a bounded tier: they would evict each other."""
+    """The planned entries cannot fit a bounded tier: they would evict each other. ``summary``: the
+    job's summary so far (what was read and planned), when there is one."""
+
+    def __init__(self, message: str, summary: PrecomputeSummary | None = None):
+        super().__init__(message)
+        self.summary = summary
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -156,7 +161,7 @@ def check_budget(prefiller: Prefiller, todo, summary: PrecomputeSummary, allow_e
             f"this run would write ~{_size(summary.planned_bytes)} of K/V ({len(todo)} entries stored as {dtype}) "
             f"but {tier.uri} holds at most {_size(limit)}: new entries would evict each other. Store a smaller "
             "dtype (--dtype int8 is ~4x smaller than float32), raise max_bytes, split the corpus (--shard) "
-            "over several stores, or pass --allow-eviction to write anyway")
+            "over several stores, or pass --allow-eviction to write anyway", summary)
 
 
 # ----------------------------------------------------------------------------- the job

@@ -15,10 +15,12 @@ from redis_server import free_port
 
 
 class ServeProcess:
-    def __init__(self, model: str, store: str, *args: str, model_dtype: str = "float32"):
+    def __init__(self, model: str, store: str, *args: str, model_dtype: str = "float32", env: dict | None = None):
+        """``args``: more options of ``ragkv serve``; ``env``: more environment (e.g. RAGKV_API_KEY)."""
         self.port = free_port()
         self.args = [sys.executable, "-m", "ragkv.cli", "serve", "--store", store, "--model", model,
                      "--model-dtype", model_dtype, "--port", str(self.port), *args]
+        self.env = env or {}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ragkv-serve-", suffix=".log")  # noqa: SIM115
         self.proc: subprocess.Popen | None = None
 
@@ -27,7 +29,7 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 600.0) -> ServeProcess:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # 2 shared cores: no oversubscription
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}  # 1 thread: 2 shared cores
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -47,9 +49,11 @@ class ServeProcess:
         with open(self.log.name) as f:
             return f.read()
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """/metrics as {sample name with labels: value}."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        r = httpx.get(f"{self.url}/metrics", timeout=10, headers=headers)
+        r.raise_for_status()
+        text = r.text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import uuid
 
 import pytest
@@ -143,7 +144,95 @@ def test_disk_path_that_is_a_file(tmp_path):
         assert r.exit_code == 2 and "not a directory" in r.output, r.output
 
 
+# ---- stats / clear / evict touch nothing they were not asked to ------------------------------------------
+
+
+def _tree(root) -> dict:
+    """Every path under ``root`` with its size and mtime (what a command may not change)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns, st.st_mode)
+    return out
+
+
+def test_stats_only_looks(disk_uri, tmp_path):
+    """`ragkv stats` once created .lock, index.json and objects/ wherever it was pointed, and swept
+    temp files older than an hour."""
+    root = tmp_path / "store"
+    (root / ".lock").unlink()
+    (root / "index.json").unlink()
+    sub = next((root / "objects").iterdir())
+    old_tmp = sub / ".tmp-ragkv1-abc-otherhost-1234-deadbeef"
+    old_tmp.write_bytes(b"x" * 100)
+    os.utime(old_tmp, (time.time() - 7200, time.time() - 7200))
+    before = _tree(root)
+    r = _invoke("stats", "--store", disk_uri, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tiers"][0]["entries"] == 3
+    assert _tree(root) == before
+    home = tmp_path / "home"  # any directory, not a store
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    before = _tree(home)
+    r = _invoke("stats", "--store", f"disk://{home}")
+    assert r.exit_code == 1 and "not a store" in r.output and "nothing was created" in r.output, r.output
+    assert _tree(home) == before
+
+
+@pytest.mark.parametrize("cmd", ["stats", "clear", "evict"])
+def test_a_missing_disk_store_is_an_error_and_is_not_created(tmp_path, cmd):
+    extra = {"stats": [], "clear": ["--yes"], "evict": ["--max-bytes", "1G", "--yes"]}[cmd]
+    missing = tmp_path / "no" / "such" / "store"
+    r = _invoke(cmd, "--store", f"disk://{missing}", *extra)
+    assert r.exit_code == 1 and "no such directory" in r.output and str(missing) in r.output, r.output
+    assert not (tmp_path / "no").exists()
+
+
+def test_clear_leaves_files_that_are_not_entries(disk_uri, tmp_path):
+    """A file in objects/ whose name is not a key (`bad name.kv`) made `ragkv clear` stop half way with a
+    traceback; it is no entry: clear deletes every entry and leaves it, saying so."""
+    root = tmp_path / "store"
+    (root / "objects" / "ab").mkdir(exist_ok=True)
+    stray = root / "objects" / "ab" / "bad name.kv"
+    stray.write_text("not mine to delete")
+    assert _entries(disk_uri) == 3  # not an entry
+    r = _invoke("clear", "--store", disk_uri, "--yes")
+    assert r.exit_code == 0 and "cleared 3 entries" in r.stderr, r.output
+    assert "not ragkv entries" in r.stderr and "objects/ab/bad name.kv" in r.stderr
+    assert stray.read_text() == "not mine to delete" and _entries(disk_uri) == 0
+    with open_store(disk_uri) as s:  # and a store holding it still writes and evicts
+        _put(s, 1)
+        assert s.evict(0) == 1 and stray.exists()
+
+
 # ---- redis: unreachable, wrong password, secrets, namespaces ---------------------------------------------
+
+
+def test_a_redis_uri_whose_database_parts_disagree_is_refused():
+    """`redis://host/11?db=12` once printed db 12 and cleared db 11."""
+    for cmd in (["clear", "--yes"], ["stats"]):
+        r = _invoke(cmd[0], "--store", f"redis://127.0.0.1:{free_port()}/11?db=12&namespace=z", *cmd[1:])
+        assert r.exit_code == 2 and "disagree" in r.output and "/11" in r.output and "db=12" in r.output, r.output
+    with pytest.raises(ValueError, match="disagree"):
+        open_store("memory,redis://127.0.0.1:6379/3?db=4")
+
+
+@pytest.mark.redis
+def test_agreeing_database_parts_work_and_disagreeing_ones_clear_nothing(redis_server, redis_ns):
+    base = redis_server.url.rsplit("/", 1)[0]
+    for db in (11, 12):
+        with open_store(f"{base}/{db}?namespace={redis_ns}") as s:
+            _put(s, 1 + db - 11)
+    assert _invoke("clear", "--store", f"{base}/11?db=12&namespace={redis_ns}", "--yes").exit_code == 2
+    r = _invoke("stats", "--store", f"{base}/12?db=12&namespace={redis_ns}", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["tiers"][0]["entries"] == 2
+    for db, n in ((11, 1), (12, 2)):
+        with open_store(f"{base}/{db}?namespace={redis_ns}") as s:
+            assert len(list(s.keys())) == n
+            s.clear()
 
 
 def _dead_redis() -> str:
@@ -151,6 +240,7 @@ def _dead_redis() -> str:
 
 
 def test_stats_of_an_unreachable_redis_exits_1(tmp_path):
+    open_store(f"disk://{tmp_path / 'kv'}").close()  # an empty disk store
     uri = f"disk://{tmp_path / 'kv'},{_dead_redis()}"
     r = _invoke("stats", "--store", uri)
     assert r.exit_code == 1 and "unavailable" in r.output, r.output
@@ -168,6 +258,7 @@ def test_stats_with_a_wrong_password_exits_1(redis_auth_server):
 
 
 def test_clear_of_an_unreachable_redis_exits_1_without_traceback(tmp_path):
+    open_store(f"disk://{tmp_path / 'kv'}").close()
     r = _invoke("clear", "--store", f"disk://{tmp_path / 'kv'},{_dead_redis()}", "--yes")
     assert r.exit_code == 1 and "Error:" in r.output and "unavailable" in r.output, r.output
     assert "Traceback" not in r.output and SECRET_TAIL not in r.output

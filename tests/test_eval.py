@@ -173,3 +173,11 @@ def test_selectors_side_by_side(tmp_path, tiny_smollm2_dir):
     assert sorted(best["front"] + list(best["dominated"])) == sorted(methods)
     assert best["front"] and set(best["dominated"].values()) <= set(methods)
     assert "pareto front (fastest first" in r.output and ", ".join(best["front"]) in r.output
+
+
+def test_a_question_with_a_lone_surrogate_names_the_line(tmp_path):
+    """JSON may escape a lone surrogate (\\ud800); it reached the tokenizer as a TypeError before."""
+    p = tmp_path / "q.jsonl"
+    p.write_text('{"question": "q", "contexts": ["a"]}\n{"question": "q", "contexts": ["ok", "bad \\udc01"]}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:2: 'contexts\[1\]' holds a lone surrogate \(\\udc01\)"):
+        load_questions(p)

@@ -90,6 +90,53 @@ def test_read_documents_reports_bad_files(corpus):
     assert [b["line"] for b in s.bad_lines] == [2, 3]
 
 
+def test_only_regular_files_are_read_and_folder_links_are_reported(tmp_path):
+    """A FIFO named like a document made the job wait forever; a device was read like a file; a
+    symlinked folder was skipped without a word."""
+    import threading
+
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    corpus.mkdir()
+    elsewhere.mkdir()
+    (corpus / "good.md").write_text("A document about lighthouses.")
+    (elsewhere / "other.md").write_text("A document about bread.")
+    os.mkfifo(corpus / "pipe.txt")
+    (corpus / "null.md").symlink_to("/dev/null")  # a character device
+    (corpus / "alias.md").symlink_to(elsewhere / "other.md")  # a link to a file is read
+    (corpus / "linked").symlink_to(elsewhere, target_is_directory=True)
+    out, report = [], Report()
+    t = threading.Thread(target=lambda: out.extend(read_documents([corpus], report=report)), daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():  # the old reader blocks in open(): let it go, then fail
+        os.close(os.open(corpus / "pipe.txt", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(30)
+        pytest.fail("read_documents waited on a FIFO")
+    assert sorted(Path(d).name for d, _ in out) == ["alias.md", "good.md"]
+    reasons = {Path(f["path"]).name: f["reason"] for f in report.files_skipped}
+    assert reasons["pipe.txt"] == "not a regular file (a FIFO): skipped"
+    assert reasons["null.md"] == "not a regular file (a character device): skipped"
+    assert reasons["linked"].startswith("symbolic link to a folder: not followed")
+    assert len(reasons) == 3
+
+
+def test_a_jsonl_line_with_a_lone_surrogate_is_reported_with_its_line(tmp_path, tiny_smollm2_dir):
+    """JSON may escape a lone surrogate (\\ud800); such a line reached the tokenizer (a TypeError)."""
+    (tmp_path / "d.jsonl").write_text('{"text": "Tea is brewed from leaves."}\n{"text": "bad \\ud800 text"}\n'
+                                      '{"text": "Rivers carry boats."}\n')
+    report = Report()
+    docs = read_documents([tmp_path / "d.jsonl"], report=report)
+    assert [d for d, _ in docs] == [f"{tmp_path / 'd.jsonl'}:1", f"{tmp_path / 'd.jsonl'}:3"]
+    assert report.bad_lines == [{"path": str(tmp_path / "d.jsonl"), "line": 2,
+                                 "reason": '"text" holds a lone surrogate (\\ud800) at character 4, not valid Unicode'}]
+    r = CliRunner().invoke(main, ["precompute", str(tmp_path / "d.jsonl"), "--store", "memory", "--model",
+                                  str(tiny_smollm2_dir), "--no-progress", "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["docs"] == 2 and summary["failed"] == 0 and summary["bad_lines"][0]["line"] == 2
+    assert "d.jsonl:2" in r.stderr and "surrogate" in r.stderr
+
+
 # ----------------------------------------------------------------------------- real model
 
 
@@ -272,6 +319,13 @@ def test_a_corpus_over_the_store_budget_is_refused_before_computing(tmp_path, ti
     r = CliRunner().invoke(main, ["precompute", str(docs), "--store", f"disk://{tmp_path / 's'}?max_bytes=1M",
                                   "--model", str(tiny_smollm2_dir), "--no-progress", "--chunk-tokens", "256"])
     assert r.exit_code == 2 and "holds at most" in r.stderr
+    r = CliRunner().invoke(main, ["precompute", str(docs), "--store", f"disk://{tmp_path / 's'}?max_bytes=1M",
+                                  "--model", str(tiny_smollm2_dir), "--no-progress", "--chunk-tokens", "256",
+                                  "--json"])
+    assert r.exit_code == 2 and "holds at most" in r.stderr
+    refused = json.loads(r.stdout)  # --json prints JSON on this exit too, like the others
+    assert "holds at most" in refused["error"] and refused["docs"] == 40 and refused["planned_bytes"] > 1 << 20
+    assert refused["new"] == 0 and refused["bytes_written"] == 0
     r = CliRunner().invoke(main, ["precompute", str(docs), "--store", f"disk://{tmp_path / 's'}?max_bytes=1M",
                                   "--model", str(tiny_smollm2_dir), "--no-progress", "--chunk-tokens", "256",
                                   "--allow-eviction"])

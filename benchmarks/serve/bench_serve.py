@@ -1,7 +1,8 @@
 """Load benchmark of `ragkv serve`: TTFT (p50/p99) and requests/s at 1, 4 and 8 concurrent clients,
 blended (--ratio 0.15) vs full recompute (--ratio 1), loopback only and bounded.
 
-Per mode a fresh `ragkv serve` process (SmolLM2, disk store in a temp dir, 127.0.0.1, a free port)
+Per mode a fresh `ragkv serve` process (SmolLM2, disk stores in a temp dir: the chunks it computes are
+kept in a disk --write-store, 127.0.0.1, a free port)
 gets the example questions (examples/data/questions.jsonl: 12 questions over 2-3 of the 4 example
 documents, ~700-1300 prompt tokens) until each document has been sent once, so every chunk is stored
 (not measured); then per concurrency
@@ -112,7 +113,9 @@ def save(args, meta: dict, results: list[dict]) -> None:
 
 def run_mode(name: str, args, rows: list[dict], done: list[dict], meta: dict) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="ragkv-bench-serve-") as tmp:
-        extra = [*MODES[name], "--threads", str(args.threads), "--max-queue", "64", "--log-level", "warning"]
+        extra = [*MODES[name], "--threads", str(args.threads), "--max-queue", "64", "--log-level", "warning",
+                 # chunks computed for requests are kept on disk as before (not in the default memory store)
+                 "--write-policy", "all", "--write-store", f"disk://{tmp}/requests?max_bytes=10G"]
         server = ServeProcess(args.model, f"disk://{tmp}/store", *extra, model_dtype=args.model_dtype).start()
         try:
             MODEL_ID[server.url] = httpx.get(f"{server.url}/v1/models", timeout=60).json()["data"][0]["id"]

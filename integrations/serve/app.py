@@ -8,8 +8,10 @@
 Model work never runs on the event loop: each request is a prefill step then one step per token on
 the worker thread (ragkv.integrations.serve.worker). Between steps the request checks its client: a
 client that went away stops its generation (counted in ``ragkv_requests_cancelled_total``).
-Errors are OpenAI-style JSON (``{"error": {message, type, param, code}}``); an unexpected one is a
-500 whose body says only that, the traceback goes to the server log.
+Every request first passes the guard (ragkv.integrations.serve.guard: Host allow-list, API key, JSON
+only, body size). Errors are OpenAI-style JSON (``{"error": {message, type, param, code}}``); an
+unexpected one is a 500 whose body says only that, the traceback goes to the server log. Every
+admitted request gives its place back on every way out (``worker.Slot``).
 """
 
 from __future__ import annotations
@@ -27,23 +29,46 @@ from starlette.exceptions import HTTPException
 from ragkv.store.errors import StoreError
 
 from .chat import Generation
+from .guard import Guard
 from .metrics import Metrics
 from .protocol import ApiError, chunk, completion, new_id, parse_request, sse, usage
-from .worker import Worker
+from .store import ServeStore
+from .worker import Slot, Worker
 
 log = logging.getLogger("ragkv.serve")
+DEFAULT_MAX_BODY = 2 << 20  # bytes (--max-body 2M): far more than any model window's worth of text
 
 
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+class _Stream(StreamingResponse):
+    """A streaming response that calls ``on_close`` when the ASGI call ends, however it ends (also
+    when the body generator never started, e.g. the client left before the first byte)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, default_max_tokens: int = 256,
-               close_store: bool = True) -> FastAPI:
+               close_store: bool = True, api_key: str | None = None, metrics_public: bool = False,
+               allowed_hosts=None, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     """The app serving ``engine`` (a BlendEngine) as ``model_id``. ``ratio``: the recompute ratio of
     every request (None: the engine's config). On shutdown the queued steps are dropped, the running
-    one finishes, and the engine's store is closed (``close_store``)."""
+    one finishes, and the engine's store is closed (``close_store``). ``api_key``, ``metrics_public``,
+    ``allowed_hosts`` (None: any Host) and ``max_body`` (bytes): what every request passes first
+    (ragkv.integrations.serve.guard). When the engine's store is a ``ServeStore``
+    (ragkv.integrations.serve.store), its write policy's counters are in /metrics."""
     worker, metrics = Worker(max_queue), Metrics()
+    writes = engine.store.policy if isinstance(engine.store, ServeStore) else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -56,6 +81,13 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
 
     app = FastAPI(title="ragkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker, app.state.metrics = worker, metrics
+
+    def refused(path: str, status: int) -> None:
+        if path == "/v1/chat/completions":
+            metrics.answered(status)
+
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body=max_body,
+                       metrics_public=metrics_public, on_refused=refused)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -83,7 +115,7 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(worker.admitted, worker.max_queue),
+        return PlainTextResponse(metrics.render(worker.admitted, worker.max_queue, writes),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     model_card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "ragkv"}
@@ -104,41 +136,45 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
         t0 = time.perf_counter()
         try:
             req = parse_request(await request.body(), model_id)
-            worker.admit()
+            slot = worker.admit()
         except ApiError as e:
             metrics.answered(e.status)
             if e.status == 429:
                 metrics.add("requests_rejected")
             return error_response(e)
-        gen = Generation(engine, req, default_max_tokens, ratio)
+        # from here every way out gives the place back: an answer, an ApiError, any other exception
+        # (a 500 from the handler below), a cancelled task, a stream that never started (_Stream)
+        gen, streaming = None, False
         try:
-            await worker.run(gen.prefill, t0)
-        except BaseException as e:
-            _finish(gen, t0, None)
-            if isinstance(e, StoreError):  # messages name the store with its secrets masked
-                e = ApiError(503, f"the K/V store is unavailable: {e}", code="store_unavailable", type_="server_error")
-            if isinstance(e, ApiError):
-                metrics.answered(e.status)
-                return error_response(e)
-            raise
-        _account_prefill(gen)
-        if req.stream:
-            return StreamingResponse(_events(gen, t0), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        status = None
-        try:
+            gen = Generation(engine, req, default_max_tokens, ratio)
+            try:
+                await worker.run(gen.prefill, t0)
+            except StoreError as e:  # messages name the store with its secrets masked
+                raise ApiError(503, f"the K/V store is unavailable: {e}", code="store_unavailable",
+                               type_="server_error") from None
+            _account_prefill(gen)
+            if req.stream:
+                response = _Stream(_events(gen, slot, t0), on_close=lambda: _finish(slot, gen, t0, None),
+                                   media_type="text/event-stream",
+                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                streaming = True
+                return response
             while not gen.done:
                 if await request.is_disconnected():
                     metrics.add("requests_cancelled")
                     return JSONResponse({}, status_code=499)  # nobody reads it
                 await worker.run(gen.step)
-            status = 200
+            body = completion(new_id(), model_id, gen.take_delta(), gen.finish, _usage(gen), gen.stats_dict())
+            _finish(slot, gen, t0, 200)
+            return JSONResponse(body)
+        except ApiError as e:
+            _finish(slot, gen, t0, e.status)
+            return error_response(e)
         finally:
-            _finish(gen, t0, status)
-        return JSONResponse(completion(new_id(), model_id, gen.take_delta(), gen.finish, _usage(gen),
-                                       gen.stats_dict()))
+            if not streaming:
+                _finish(slot, gen, t0, None)  # (a no-op when already finished above)
 
-    async def _events(gen: Generation, t0: float):
+    async def _events(gen: Generation, slot: Slot, t0: float):
         rid, status = new_id(), None
         try:
             yield chunk(rid, model_id, {"role": "assistant", "content": ""})
@@ -163,7 +199,7 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
             status = 500
             yield sse(ApiError(500, "internal server error (see the server log)", type_="server_error").body())
         finally:
-            _finish(gen, t0, status)
+            _finish(slot, gen, t0, status)
 
     def _usage(gen: Generation) -> dict:
         return usage(gen.prompt_tokens, len(gen.ids), gen.cached_tokens)
@@ -177,12 +213,15 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
             metrics.add("recomputed_tokens", gen.stats.recomputed_tokens)
             metrics.add("cached_tokens", gen.stats.cached_tokens)
 
-    def _finish(gen: Generation, t0: float, status: int | None) -> None:
-        """Every admitted request ends here once: its place and its K/V are given back."""
-        metrics.add("completion_tokens", len(gen.ids))
+    def _finish(slot: Slot, gen: Generation | None, t0: float, status: int | None) -> None:
+        """Every admitted request ends here: its place and its K/V are given back. Only the first
+        call per request counts (``Slot.release`` is once-only)."""
+        if not slot.release(time.perf_counter() - t0 if status == 200 else None):
+            return
         if status is not None:
             metrics.answered(status)
-        worker.after(gen.close)  # behind a step of this request that may still be running
-        worker.release(time.perf_counter() - t0 if status == 200 else None)
+        if gen is not None:
+            metrics.add("completion_tokens", len(gen.ids))
+            worker.after(gen.close)  # behind a step of this request that may still be running
 
     return app

@@ -15,6 +15,7 @@ so a document's chunk key does not depend on the conversation around it, and doc
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import torch
@@ -22,8 +23,6 @@ import torch
 from ragkv.prompt import Prompt
 
 from .protocol import ApiError, ChatRequest, bad
-
-_SENTINEL = "\x00RAGKV-QUESTION\x00"
 
 
 def _window_error(message: str, param: str) -> ApiError:
@@ -53,9 +52,7 @@ def build_prompt(engine, req: ChatRequest) -> Prompt | list[int]:
             raise _window_error(f"the messages are {len(prompt)} tokens, the model's window is {window}", "messages")
         return prompt
     history, question = req.messages[:-1], req.messages[-1]["content"]
-    head, sep, tail = chat_text(tok, [*history, {"role": "user", "content": _SENTINEL}]).partition(_SENTINEL)
-    if not sep:
-        raise ApiError(500, "the model's chat template drops the user content", type_="server_error")
+    head, tail = _around_question(tok, history)
     names = [f"documents[{i}]" for i in range(len(req.documents))]
     texts = [d.chunk_text() for d in req.documents]
     try:
@@ -72,6 +69,23 @@ def build_prompt(engine, req: ChatRequest) -> Prompt | list[int]:
             f"(the longest document, {names[worst]}, has {lens[worst]}); send fewer or shorter documents",
             "documents")
     return prompt
+
+
+def _around_question(tok, history: list[dict]) -> tuple[str, str]:
+    """The chat template's text before and after the last user turn's content. The content is
+    replaced by a marker drawn at random for this request and checked to occur nowhere else in the
+    rendered text, so no message (whatever it holds) can move where the split falls."""
+    for _ in range(8):
+        mark = f"\x00RAGKV-QUESTION-{secrets.token_hex(16)}\x00"
+        text = chat_text(tok, [*history, {"role": "user", "content": mark}])
+        n = text.count(mark)
+        if n == 1:
+            head, _, tail = text.partition(mark)
+            return head, tail
+        if n == 0:
+            raise ApiError(500, "the model's chat template drops the user content", type_="server_error")
+    # a template that repeats the last user content: no single place for the documents
+    raise ApiError(500, "the model's chat template repeats the user content", type_="server_error")
 
 
 class Generation:
@@ -183,7 +197,9 @@ class Generation:
     def _sample(self, logits: torch.Tensor) -> int:
         if self._rng is None:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / self.req.temperature, dim=-1)
+        # in float64, shifted so the top logit is 0: any temperature in (0, 2] gives finite
+        # probabilities (a tiny one, e.g. 1e-300, makes the top token certain instead of NaN)
+        probs = torch.softmax((logits.double() - logits.max()) / self.req.temperature, dim=-1)
         if self.req.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < self.req.top_p  # the smallest set reaching top_p

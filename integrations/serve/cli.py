@@ -12,6 +12,23 @@ import click
 
 from ragkv.cli import _check, _engine, _model_options, _open_store, _policy_options
 
+from .guard import LOOPBACK_NAMES, is_loopback
+from .writes import DEFAULT_WRITE_STORE, POLICIES, WritePolicy, check_write_store
+
+log = logging.getLogger("ragkv.serve")
+
+
+def _size(ctx, param, value: str) -> int:
+    from ragkv.store.values import size_from_str
+
+    try:
+        n = size_from_str(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    if n is None:
+        raise click.BadParameter(f"give a size (e.g. 2M), got {value!r}")
+    return n
+
 
 def _ratio(ctx, param, value: str):
     if value == "auto":
@@ -47,15 +64,40 @@ def _ratio(ctx, param, value: str):
               help="torch intra-op threads of the model  [default: torch's]")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--api-key", envvar="RAGKV_API_KEY", default=None,
+              help="require 'Authorization: Bearer KEY' (401 otherwise; /health stays open). Prefer the env "
+                   "RAGKV_API_KEY: a command line is visible to other users")
+@click.option("--metrics-public", is_flag=True, help="serve /metrics without the API key")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="also answer requests whose Host is NAME (repeatable); a loopback bind answers only "
+                   "localhost/127.0.0.1/::1 otherwise (DNS rebinding), any other bind any Host unless given")
+@click.option("--max-body", default="2M", show_default=True, callback=_size,
+              help="largest request body (413 beyond it, refused before it is parsed)")
+@click.option("--write-policy", type=click.Choice(POLICIES), default="quota", show_default=True,
+              help="which K/V computed for requests (chunks the store lacks) is kept in --write-store: "
+                   "quota = up to --write-quota per --write-window, all, none")
+@click.option("--write-quota", default="256M", show_default=True, callback=_size,
+              help="bytes of entries kept per --write-window under --write-policy quota")
+@click.option("--write-window", default=3600.0, show_default=True, type=click.FloatRange(0, None, min_open=True),
+              help="seconds of the --write-quota window (sliding)")
+@click.option("--write-store", envvar="RAGKV_WRITE_STORE", default=DEFAULT_WRITE_STORE, show_default=True,
+              help="bounded store for entries computed for requests, read after --store; never one of --store's "
+                   "(--store is only read: client writes never evict the precomputed corpus)")
 @_policy_options
 def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_queue, default_max_tokens,
-          served_model_name, namespace, shutdown_timeout, threads, log_level, sink, gap, context, lead):
+          served_model_name, namespace, shutdown_timeout, threads, log_level, api_key, metrics_public, allow_hosts,
+          max_body, write_policy, write_quota, write_window, write_store, sink, gap, context, lead):
     """OpenAI-compatible chat completions answered from cached chunks (needs ragkv[serve]).
 
     \b
     POST /v1/chat/completions  (messages + "documents": each one cached chunk; stream: true = SSE)
     GET  /v1/models  /health  /metrics (Prometheus)
     Stops cleanly on SIGTERM: in-flight requests get --shutdown-timeout seconds, the store is closed.
+
+    \b
+    Exposing it beyond this machine: set RAGKV_API_KEY, bind --host 0.0.0.0 (it warns without a
+    key), keep --max-body small; --store is only read, chunks computed for clients go to the
+    bounded --write-store under --write-policy.
     """
     try:
         import uvicorn
@@ -66,23 +108,46 @@ def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_q
                                    "pip install 'ragkv[serve]'") from None
     from ragkv.blend import SELECTORS, BlendConfig
 
+    from .store import ServeStore
+
     if selector not in SELECTORS:
         raise click.BadParameter(f"{selector!r}; valid: {', '.join(sorted(SELECTORS))}", param_hint="--selector")
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty (unset RAGKV_API_KEY for a server without one)",
+                                 param_hint="--api-key")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loopback = is_loopback(host)
+    if not loopback and not api_key:
+        log.warning("listening on %s without an API key: anyone who can reach this address can use the model "
+                    "and fill the write store; set RAGKV_API_KEY (or --api-key)", host)
+    allowed = [*LOOPBACK_NAMES, *allow_hosts] if loopback else (list(allow_hosts) or None)
+    policy = WritePolicy(write_policy, write_quota, write_window)
     store = _open_store(store_uri)
+    writes = None
     try:
-        _check([store])
-        engine = _engine(model_name, model_dtype, store, BlendConfig(ratio=ratio, selector=selector), sink=sink,
-                         gap=gap, namespace=namespace, context=context, lead=lead)
+        writes = _open_store(write_store, "--write-store")
+        if write_policy != "none":
+            try:
+                check_write_store(store, writes)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--write-store") from None
+        _check([store, writes])
+        engine = _engine(model_name, model_dtype, ServeStore(store, writes, policy),
+                         BlendConfig(ratio=ratio, selector=selector), sink=sink, gap=gap, namespace=namespace,
+                         context=context, lead=lead)
     except BaseException:
         store.close()
+        if writes is not None:
+            writes.close()
         raise
+    log.info("chunks computed for requests: %s, kept in %s", policy.describe(), writes.uri)
     model_id = served_model_name or (Path(model_name).name if Path(model_name).is_dir() else model_name)
-    app = create_app(engine, model_id, max_queue=max_queue, default_max_tokens=default_max_tokens)
+    app = create_app(engine, model_id, max_queue=max_queue, default_max_tokens=default_max_tokens,
+                     api_key=api_key, metrics_public=metrics_public, allowed_hosts=allowed, max_body=max_body)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=log_level == "debug")
     # uvicorn re-raises the signal it stopped on once it has shut down; with these handlers in place that

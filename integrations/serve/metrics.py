@@ -12,7 +12,7 @@ COUNTERS = {
     "requests_cancelled": "requests whose client went away before the answer was complete (generation stopped)",
     "requests_rejected": "requests refused with 429 because the queue was full",
     "chunk_hits": "document chunks whose K/V were found in the store",
-    "chunk_misses": "document chunks prefilled (and written back) because the store lacked them",
+    "chunk_misses": "document chunks prefilled because the store lacked them (kept as --write-policy allows)",
     "recomputed_tokens": "chunk tokens recomputed in the last layer",
     "cached_tokens": "prompt tokens served from stored K/V (usage.prompt_tokens_details.cached_tokens)",
     "prompt_tokens": "prompt tokens of admitted requests",
@@ -45,7 +45,8 @@ class Metrics:
                 if seconds <= bound:
                     self.ttft_buckets[i] += 1
 
-    def render(self, queue_depth: int, queue_limit: int) -> str:
+    def render(self, queue_depth: int, queue_limit: int, writes=None) -> str:
+        """``writes``: the server's WritePolicy (its counters are rendered too)."""
         lines = []
 
         def head(name, kind, help_):
@@ -67,4 +68,13 @@ class Metrics:
         lines.append(f"ragkv_queue_depth {queue_depth}")
         head("queue_limit", "gauge", "the most requests admitted at once (--max-queue)")
         lines.append(f"ragkv_queue_limit {queue_limit}")
+        if writes is not None:
+            for name, value, help_ in (
+                ("store_writes_total", writes.written, "entries computed for requests and kept in the write store"),
+                ("store_write_bytes_total", writes.written_bytes, "bytes of those entries"),
+                ("store_writes_refused_total", writes.refused,
+                 "entries computed for requests and not kept (--write-policy none, or over --write-quota)"),
+            ):
+                head(name, "counter", help_)
+                lines.append(f"ragkv_{name} {value}")
         return "\n".join(lines) + "\n"

@@ -13,12 +13,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ragkv.sources import lone_surrogate
+
 ROLES = ("system", "developer", "user", "assistant")
 _UNSUPPORTED = {  # accepted by OpenAI, refused here rather than silently ignored
     "tools": "tool calling", "functions": "function calling", "tool_choice": "tool calling",
     "function_call": "function calling", "audio": "audio output",
 }
+# accepted by OpenAI and meaningful there, refused here unless they hold their no-op value (a request
+# that asks for them gets a 400 naming them instead of an answer that silently ignores them)
+_NOOP_ONLY = {"logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "top_logprobs": (0,)}
 MAX_STOP = 4
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 class ApiError(Exception):
@@ -79,6 +85,11 @@ def parse_request(raw: bytes, served_model: str) -> ChatRequest:
     for name, what in _UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}):
             raise bad(f"{what} ({name!r}) is not supported by ragkv serve", name, "unsupported_parameter")
+    for name, noops in _NOOP_ONLY.items():
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or v not in noops):
+            raise bad(f"{name!r} is not supported by ragkv serve (only its no-op value {noops[0]!r} is accepted), "
+                      f"got {v!r}", name, "unsupported_parameter")
     req = ChatRequest(model=model, messages=_messages(body.get("messages")), documents=_documents(body))
     req.stream = _typed(body, "stream", bool, False)
     options = body.get("stream_options")
@@ -103,16 +114,25 @@ def _typed(obj: dict, name: str, kind, default, param: str | None = None):
     return value
 
 
+def text(value: str, param: str) -> str:
+    """``value`` if it is valid Unicode; a JSON string may carry a lone surrogate (``"\\ud800"``),
+    which no tokenizer takes: a 400 naming the field and the character."""
+    why = lone_surrogate(value)
+    if why:
+        raise bad(f"{param} holds {why}", param)
+    return value
+
+
 def _content(value, param: str) -> str:
     if isinstance(value, str):
-        return value
+        return text(value, param)
     if isinstance(value, list):  # content parts: text only
         parts = []
         for j, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad(f"{param}[{j}]: only text content parts are supported, got {kind!r}", f"{param}[{j}]")
-            parts.append(part["text"])
+            parts.append(text(part["text"], f"{param}[{j}].text"))
         return "".join(parts)
     raise bad(f"{param} must be a string or a list of text parts, got {type(value).__name__}", param)
 
@@ -148,26 +168,27 @@ def _documents(body: dict) -> list[Document]:
     for i, d in enumerate(value):
         p = f"documents[{i}]"
         if isinstance(d, dict):
-            text, title = d.get("text"), d.get("title")
+            body_text, title = d.get("text"), d.get("title")
             if title is not None and not isinstance(title, str):
                 raise bad(f"{p}.title must be a string", f"{p}.title")
             extra = sorted(set(d) - {"text", "title"})
             if extra:
                 raise bad(f"{p} has unknown fields {extra}; a document is {{text, title?}}", p)
         else:
-            text, title = d, None
-        if not isinstance(text, str):
-            raise bad(f"{p} must be a string or {{text, title?}}, got {type(text).__name__}", p)
-        if not text.strip():
+            body_text, title = d, None
+        if not isinstance(body_text, str):
+            raise bad(f"{p} must be a string or {{text, title?}}, got {type(body_text).__name__}", p)
+        if not body_text.strip():
             raise bad(f"{p} is empty or whitespace only", p)
-        docs.append(Document(text, title or None))
+        docs.append(Document(text(body_text, f"{p}.text" if isinstance(d, dict) else p),
+                             text(title, f"{p}.title") if title else None))
     return docs
 
 
 def _sampling(body: dict, req: ChatRequest) -> None:
     n = body.get("n")
-    if n not in (None, 1):
-        raise bad(f"'n' must be 1 (one choice per request), got {n!r}", "n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+        raise bad(f"'n' must be the integer 1 (one choice per request), got {n!r}", "n")
     if body.get("logprobs"):
         raise bad("'logprobs' is not supported by ragkv serve", "logprobs", "unsupported_parameter")
     fmt = body.get("response_format")
@@ -186,8 +207,9 @@ def _sampling(body: dict, req: ChatRequest) -> None:
             raise bad("'top_p' must be in (0, 1], got 0", "top_p")
         req.top_p = top_p
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad(f"'seed' must be an integer, got {seed!r}", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise bad(f"'seed' must be an integer in [-2**63, 2**64 - 1], got {seed!r}", "seed")
     req.seed = seed
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -195,7 +217,7 @@ def _sampling(body: dict, req: ChatRequest) -> None:
     if stop is not None:
         if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
             raise bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
-        req.stop = stop
+        req.stop = [text(s, f"stop[{i}]") for i, s in enumerate(stop)]
 
 
 def _number(body: dict, name: str, low: float, high: float) -> float | None:

@@ -6,7 +6,9 @@ steps first in, first out, so the requests in flight take turns token by token (
 request's prefill waits for at most one step of each request ahead of it, never for whole answers.
 
 Admission: at most ``max_queue`` requests are admitted at once (running or waiting); one more is
-refused with 429 and a ``Retry-After`` of about one request's service time.
+refused with 429 and a ``Retry-After`` of about one request's service time. ``admit()`` hands out a
+``Slot`` whose ``release()`` gives the place back once, however often it is called, so the route can
+release it on every way out (an answer, an error, an exception, a stream that never started).
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 from .protocol import ApiError
 
 
+class Slot:
+    """One admitted request's place in the queue; ``release()`` gives it back once (later calls are
+    no-ops and return False)."""
+
+    def __init__(self, worker: Worker):
+        self._worker, self.released = worker, False
+
+    def release(self, seconds: float | None = None) -> bool:
+        """``seconds``: the request's time in the server (for Retry-After). True the first time."""
+        return self._worker._release(self, seconds)
+
+
 class Worker:
     def __init__(self, max_queue: int):
         if max_queue < 1:
@@ -32,7 +46,7 @@ class Worker:
         self._service_s = 1.0  # moving average of one request's time in the server
         self.closed = False
 
-    def admit(self) -> None:
+    def admit(self) -> Slot:
         """Take a place for one request, or raise ApiError 429 with Retry-After."""
         with self._lock:
             if self.closed:
@@ -43,13 +57,17 @@ class Worker:
                                f"(--max-queue {self.max_queue}); retry after {retry} s",
                                code="queue_full", type_="rate_limit_error", headers={"Retry-After": str(retry)})
             self.admitted += 1
+            return Slot(self)
 
-    def release(self, seconds: float | None = None) -> None:
-        """Give a place back; ``seconds``: the request's time in the server (for Retry-After)."""
+    def _release(self, slot: Slot, seconds: float | None) -> bool:
         with self._lock:
+            if slot.released:
+                return False
+            slot.released = True
             self.admitted -= 1
             if seconds is not None:
                 self._service_s = 0.8 * self._service_s + 0.2 * seconds
+            return True
 
     async def run(self, fn: Callable, *args):
         """Run one model step on the worker thread. Cancelling the awaiting task drops a step that

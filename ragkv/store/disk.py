@@ -49,7 +49,7 @@ from ragkv.store.disk_io import SUFFIX, StreamedBlobs, read_exact
 from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
 from ragkv.store.entry import EncodedEntry, Layout, check_layer_index
 from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedEntry
-from ragkv.store.values import budget_from, check_key
+from ragkv.store.values import budget_from, check_key, is_key
 
 _PAD = bytes(64)
 
@@ -67,12 +67,20 @@ class DiskStore(KVStore):
         rescan_every: int = 64,
         parallel_read: bool | None = None,
         mode: int = 0o600,
+        create: bool = True,
+        read_only: bool = False,
     ):
         """``mode``: of every file the store creates (entries, temp files, index, lock); its
         directories get the matching x bits. 0o600/0o700 by default: entries hold token ids in
-        clear; 0o640 lets a group read a shared directory (0o660: and write it)."""
+        clear; 0o640 lets a group read a shared directory (0o660: and write it).
+        ``create=False``: a directory without a store (no ``objects/``) is StoreUnavailable instead
+        of becoming one. ``read_only``: (implies ``create=False``) for looking only (``ragkv
+        stats``): nothing is created, written, locked or swept, not even the lock file or the
+        index, and writes raise StoreError."""
         super().__init__()
         self.mode = disk_io.check_mode(mode)
+        self.read_only = read_only
+        create = create and not read_only
         self.root = Path(root).expanduser().resolve()
         self.max_bytes = budget_from(max_bytes)
         self.fsync = fsync
@@ -89,7 +97,13 @@ class DiskStore(KVStore):
         self._puts_since_scan = 0
         self._pool: ThreadPoolExecutor | None = None
         try:
-            disk_io.makedirs(self._objects, self.mode)
+            if create:
+                disk_io.makedirs(self._objects, self.mode)
+            elif not self._objects.is_dir():
+                if self.root.exists() and not self.root.is_dir():
+                    raise NotADirectoryError(self.root)
+                what = "no such directory" if not self.root.exists() else "not a store (no objects/ directory)"
+                raise StoreUnavailable(f"disk store {self.root}: {what}; nothing was created")
             with self._flock():
                 self._rescan(load_index=True)
         except (NotADirectoryError, FileExistsError):
@@ -111,10 +125,14 @@ class DiskStore(KVStore):
         return f"disk://{self.root}" + ("?" + "&".join(q) if q else "")
 
     def check(self) -> None:
-        """The root is a directory this process can create files in (a probe file, removed)."""
+        """The root is a directory this process can create files in (a probe file, removed);
+        read-only: one it can list."""
         try:
             if not self._objects.is_dir():
                 raise NotADirectoryError(f"{self._objects} is not a directory")
+            if self.read_only:
+                os.listdir(self._objects)
+                return
             fd, probe = tempfile.mkstemp(prefix=".probe-", dir=self.root)
             os.close(fd)
             os.unlink(probe)
@@ -176,6 +194,8 @@ class DiskStore(KVStore):
         return header, layout, blobs
 
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
+        if self.read_only:
+            raise StoreError(f"disk store {self.root} is open read-only")
         p = self.path(key)
         if self.max_bytes is not None and layout.total_nbytes > self.max_bytes:  # would evict all
             raise StoreFull(f"disk store {self.root}: entry {key} is {layout.total_nbytes} bytes, larger than "
@@ -215,6 +235,8 @@ class DiskStore(KVStore):
         return True
 
     def _remove(self, key: str) -> bool:
+        if self.read_only:
+            raise StoreError(f"disk store {self.root} is open read-only")
         try:
             self.path(key).unlink()
             ok = True
@@ -233,13 +255,22 @@ class DiskStore(KVStore):
                 continue
             for name in names:
                 if name.endswith(SUFFIX) and not name.startswith("."):
-                    yield name[: -len(SUFFIX)]
+                    key = name[: -len(SUFFIX)]
+                    if is_key(key):  # another file with our suffix is not an entry: left alone
+                        yield key
 
     def clear(self) -> None:
+        """Delete every entry. Files that are not entries (a name outside the key alphabet, e.g.
+        ``objects/ab/bad name.kv``) are left in place (``foreign_files``)."""
         with self._flock():
             for k in list(self.keys()):
                 self._remove(k)
             self._save_index()
+
+    def foreign_files(self) -> list[str]:
+        """Files under ``objects/`` that are neither entries nor temp files (paths relative to the
+        root); the store never reads or deletes them."""
+        return disk_io.foreign_files(self._objects)
 
     def _reader(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -251,6 +282,8 @@ class DiskStore(KVStore):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.read_only:
+            return
         try:
             with self._flock():
                 self._save_index()
@@ -298,9 +331,13 @@ class DiskStore(KVStore):
         return out
 
     def _flock(self):
+        if self.read_only:  # the lock if it is there (shared), never a new lock file
+            return disk_io.flock(self._lock_path, self.mode, create=False)
         return disk_io.flock(self._lock_path, self.mode)
 
     def _touch(self, key: str, p: Path, size: int) -> None:
+        if self.read_only:
+            return
         now = time.time()
         with self._lock:
             e = self._index.get(key)
@@ -327,7 +364,8 @@ class DiskStore(KVStore):
         else:
             with self._lock:
                 cached = {k: list(v) for k, v in self._index.items()}
-        index, tmp_bytes = disk_io.scan_objects(self._objects, cached, trust_cached=load_index)
+        index, tmp_bytes = disk_io.scan_objects(self._objects, cached, trust_cached=load_index,
+                                                sweep=not self.read_only)
         with self._lock:
             self._index = index
             self._bytes = sum(v[0] for v in index.values())

@@ -20,6 +20,7 @@ import numpy as np
 
 from ragkv.store.entry import Layout, decode_header, header_nbytes
 from ragkv.store.errors import CorruptEntry
+from ragkv.store.values import is_key
 
 if TYPE_CHECKING:
     from ragkv.store.disk import DiskStore
@@ -123,10 +124,12 @@ def tmp_is_orphan(name: str, mtime: float, now: float) -> bool:
     return m is not None and m["host"] == HOST and not _pid_alive(int(m["pid"]))
 
 
-def scan_objects(objects: Path, cached: dict[str, list], trust_cached: bool) -> tuple[dict[str, list], int]:
+def scan_objects(objects: Path, cached: dict[str, list], trust_cached: bool,
+                 sweep: bool = True) -> tuple[dict[str, list], int]:
     """(key -> [nbytes, last access], bytes of live temp files) from the directory, deleting
-    orphaned temp files. Entries in ``cached`` keep their size (and, with ``trust_cached``, their
-    access time); others are stat-ed."""
+    orphaned temp files (``sweep``). Entries in ``cached`` keep their size (and, with
+    ``trust_cached``, their access time); others are stat-ed. Files whose name is not a key are
+    not entries (``foreign_files``)."""
     index: dict[str, list] = {}
     tmp_bytes, now = 0, time.time()
     for sub in os.scandir(objects):
@@ -137,14 +140,14 @@ def scan_objects(objects: Path, cached: dict[str, list], trust_cached: bool) -> 
             if name.startswith(".tmp-"):
                 try:
                     st = de.stat()
-                    if tmp_is_orphan(name, st.st_mtime, now):
+                    if sweep and tmp_is_orphan(name, st.st_mtime, now):
                         os.unlink(de.path)
                     else:
                         tmp_bytes += st.st_size  # a live write: it counts toward the budget
                 except OSError:
                     pass
                 continue
-            if not name.endswith(SUFFIX):
+            if not name.endswith(SUFFIX) or not is_key(name[: -len(SUFFIX)]):
                 continue
             key = name[: -len(SUFFIX)]
             if key in cached and trust_cached:
@@ -156,6 +159,17 @@ def scan_objects(objects: Path, cached: dict[str, list], trust_cached: bool) -> 
                 continue
             index[key] = [st.st_size, max(st.st_mtime, cached.get(key, [0, 0.0])[1])]
     return index, tmp_bytes
+
+
+def foreign_files(objects: Path) -> list[str]:
+    """Files under ``objects/<xx>/`` that are neither entries nor temp files (relative paths)."""
+    out = []
+    for sub in sorted(os.scandir(objects), key=lambda d: d.name):
+        if sub.is_dir():
+            for de in sorted(os.scandir(sub.path), key=lambda d: d.name):
+                if not de.name.startswith(".tmp-") and not (de.name.endswith(SUFFIX) and is_key(de.name[: -len(SUFFIX)])):
+                    out.append(f"objects/{sub.name}/{de.name}")
+    return out
 
 
 def load_index(path: Path) -> dict[str, list]:
@@ -240,8 +254,21 @@ def read_header(fd: int, key: str) -> tuple[bytes, Layout, int]:
 
 
 @contextmanager
-def flock(path: Path, mode: int):
-    """The store's exclusive fcntl lock (the lock file is created with ``mode``)."""
+def flock(path: Path, mode: int, create: bool = True):
+    """The store's exclusive fcntl lock (the lock file is created with ``mode``). ``create=False``:
+    a shared lock on the lock file if there is one (readers that write nothing), else no lock."""
+    if not create:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+        return
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         os.fchmod(fd, mode)

@@ -126,7 +126,8 @@ def _ttl(v: str | None) -> int | None:
 # ---- opening --------------------------------------------------------------------------------
 
 
-def open_one(uri: str) -> KVStore:
+def open_one(uri: str, create: bool = True, read_only: bool = False) -> KVStore:
+    """One URI -> its backend. ``create``/``read_only``: a disk store's (``DiskStore``)."""
     uri = uri.strip()
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else uri.lower()
     if scheme not in SCHEMES:
@@ -151,12 +152,17 @@ def open_one(uri: str) -> KVStore:
             max_bytes=typed_budget(o.get("max_bytes", "10G")),
             fsync=_bool("fsync", o.get("fsync", "1")),
             mode=_mode(o["mode"]) if "mode" in o else 0o600,
+            create=create,
+            read_only=read_only,
         )
     from ragkv.store.redis_store import RedisStore
 
     o, client = _opts("redis", parts.query)
     if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]+", parts.path):
         raise ValueError(f"redis database in the path must be a number (/0, /1, ...): {redact_uri(uri)!r}")
+    if "db" in client and parts.path not in ("", "/") and int(parts.path[1:]) != client["db"]:
+        raise ValueError(f"the redis database is given twice and they disagree: /{parts.path[1:]} in the path, "
+                         f"db={client['db']} in the options; give one: {redact_uri(uri)!r}")
     cluster = "+cluster" in scheme or _bool("cluster", o.get("cluster", "0"))
     base_scheme = scheme.replace("+cluster", "")
     if base_scheme != "rediss" and any(k.startswith("ssl_") for k in client):
@@ -165,12 +171,14 @@ def open_one(uri: str) -> KVStore:
     return RedisStore(url, ttl=_ttl(o.get("ttl")), namespace=o.get("namespace", ""), cluster=cluster, **client)
 
 
-def open_store(uris: str) -> KVStore:
-    """One URI -> that backend; a comma-separated list -> TieredStore (fastest first)."""
+def open_store(uris: str, *, create: bool = True, read_only: bool = False) -> KVStore:
+    """One URI -> that backend; a comma-separated list -> TieredStore (fastest first). For the
+    operators' tools: ``create=False`` refuses a disk store that is not there instead of creating
+    it; ``read_only=True`` (``ragkv stats``) also creates, locks and sweeps nothing."""
     items = split_uris(uris)
     if not items:
         raise ValueError(f"no store URI given; valid schemes: {SCHEMES}")
-    stores = [open_one(u) for u in items]
+    stores = [open_one(u, create, read_only) for u in items]
     if len(stores) == 1:
         return stores[0]
     from ragkv.store.tiered import TieredStore

@@ -25,9 +25,11 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_smollm2_dir, tmp_path_factory):
-    store = f"disk://{tmp_path_factory.mktemp('serve-store')}"
-    proc = ServeProcess(str(tiny_smollm2_dir), store, "--served-model-name", MODEL).start()
-    proc.store = store
+    root = tmp_path_factory.mktemp("serve-store")
+    store, writes = f"disk://{root}/corpus", f"disk://{root}/requests?max_bytes=1G"
+    # chunks the corpus store lacks are computed and kept in the write store (--store is only read)
+    proc = ServeProcess(str(tiny_smollm2_dir), store, "--served-model-name", MODEL, "--write-store", writes).start()
+    proc.store, proc.write_store = store, writes
     yield proc
     proc.stop()
 
@@ -80,7 +82,7 @@ def test_repeat_reports_cached_tokens_and_matches_the_library(server, tiny_smoll
     from ragkv.integrations.hf import BlendedGenerator
 
     model, tok = tiny_smollm2
-    gen = BlendedGenerator(model, tok, open_store(server.store), BlendConfig(ratio=0.15))
+    gen = BlendedGenerator(model, tok, open_store(f"{server.store},{server.write_store}"), BlendConfig(ratio=0.15))
     out = gen.generate("How far can the light be seen?", docs, max_new_tokens=8)
     assert out.hits == 3 and again.choices[0].message.content.strip() == out.text
 
@@ -202,7 +204,7 @@ ERRORS = [
 
 @pytest.mark.parametrize("body,status,param,code", ERRORS)
 def test_bad_requests_get_openai_errors(server, body, status, param, code):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, **kw)
     assert r.status_code == status
     err = r.json()["error"]
@@ -315,6 +317,9 @@ def test_cli_finds_serve_through_its_entry_point():
     assert listing.exit_code == 0 and "serve" in listing.output
     help_ = runner.invoke(main, ["serve", "--help"])
     assert help_.exit_code == 0 and "--max-queue" in help_.output and "--ratio" in help_.output
+    for option in ("--api-key", "--metrics-public", "--allow-host", "--max-body", "--write-policy", "--write-quota",
+                   "--write-window", "--write-store"):
+        assert option in help_.output
     bad = runner.invoke(main, ["serve", "--store", "memory", "--ratio", "2"])
     assert bad.exit_code == 2 and "--ratio" in bad.output and "'2'" in bad.output
     bad = runner.invoke(main, ["serve", "--store", "nosuch://x"])

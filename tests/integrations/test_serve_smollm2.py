@@ -21,8 +21,8 @@ ROWS = [json.loads(line) for line in (DOCS.parent / "questions.jsonl").read_text
 
 @pytest.mark.slow
 def test_smollm2_done_when(tmp_path, smollm2):
-    store = f"disk://{tmp_path}/store"
-    server = ServeProcess(MODEL, store, "--threads", "1", model_dtype="auto").start()  # as the fixture
+    store, writes = f"disk://{tmp_path}/store", f"disk://{tmp_path}/requests?max_bytes=1G"
+    server = ServeProcess(MODEL, store, "--threads", "1", "--write-store", writes, model_dtype="auto").start()
     try:
         c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=1800)
 
@@ -37,7 +37,7 @@ def test_smollm2_done_when(tmp_path, smollm2):
         from ragkv.integrations.hf import BlendedGenerator
 
         model, tok = smollm2
-        out = BlendedGenerator(model, tok, open_store(store), BlendConfig(ratio=0.15)).generate(
+        out = BlendedGenerator(model, tok, open_store(f"{store},{writes}"), BlendConfig(ratio=0.15)).generate(
             ROWS[0]["question"], ROWS[0]["contexts"], max_new_tokens=12)
         assert again.choices[0].message.content.strip() == out.text
         streamed = "".join(e.choices[0].delta.content or "" for e in ask(ROWS[0], stream=True) if e.choices)
@@ -45,7 +45,8 @@ def test_smollm2_done_when(tmp_path, smollm2):
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(ask, ROWS[:8]))
         assert all(a.choices[0].finish_reason in ("stop", "length") and a.choices[0].message.content for a in answers)
-        r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{", timeout=60)
+        r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{", timeout=60,
+                       headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         assert server.terminate() == 0
     finally:
