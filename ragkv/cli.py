@@ -234,7 +234,7 @@ def _tier_rows(store) -> list[dict]:
     from ragkv.store import StoreError
 
     rows = []
-    for tier in getattr(store, "tiers", [store]):
+    for tier in store.tiers:
         try:
             tier.check()
             row = {**tier.stats(), "available": True}
@@ -279,7 +279,7 @@ def clear(store_uri, yes):
     from ragkv.store import StoreError
 
     with _open_store(store_uri, create=False) as store:
-        _check(getattr(store, "tiers", [store]))
+        _check(store.tiers)
         try:
             n = sum(1 for _ in store.keys())  # noqa: SIM118 - KVStore.keys()
             if not yes:
@@ -288,7 +288,7 @@ def clear(store_uri, yes):
         except StoreError as e:
             raise click.ClickException(str(e)) from None
         click.echo(f"cleared {n} entries from {store.uri}", err=True)
-        for tier in getattr(store, "tiers", [store]):
+        for tier in store.tiers:
             others = tier.foreign_files() if hasattr(tier, "foreign_files") else []
             if others:
                 click.echo(f"{tier.uri}: left {len(others)} file(s) that are not ragkv entries, e.g. {others[0]}",
@@ -312,7 +312,7 @@ def evict(store_uri, max_bytes, yes):
     if limit is None:
         raise click.BadParameter("give a size of at least 1M (to empty a store: `ragkv clear`)", param_hint="--max-bytes")
     with _open_store(store_uri, create=False) as store:
-        tiers = getattr(store, "tiers", [store])
+        tiers = store.tiers
         _check(t for t in tiers if hasattr(t, "plan_eviction"))
         for tier in tiers:
             if not hasattr(tier, "plan_eviction"):

@@ -46,7 +46,7 @@ def check_shared_store(store, allow_eviction: bool) -> None:
     tier's budget cannot be checked before the actors compute."""
     from ragkv.store.memory import MemoryStore
 
-    for tier in getattr(store, "tiers", [store]):
+    for tier in store.tiers:
         if isinstance(tier, MemoryStore):
             raise ValueError(f"{tier.uri}: a memory store lives inside one process; --ray needs a store every "
                              "worker shares (redis://, redis+cluster://, or disk:// on a shared filesystem)")
@@ -158,7 +158,7 @@ def precompute_ray(
         raise ValueError(f"workers and cpus_per_worker must be >= 1, got {workers} and {cpus_per_worker}")
     spec = spec.resolved()
     with open_store(spec.store_uri) as store:  # fail here, not in N actors: bad URI, unreachable store
-        for tier in getattr(store, "tiers", [store]):
+        for tier in store.tiers:
             tier.check()
         check_shared_store(store, allow_eviction)
     models.load_tokenizer(spec.model)  # an unknown model fails here, clearly (ModelNotFoundError)

@@ -21,6 +21,7 @@ from redis_server import start_or_skip
 from ragkv.blend import BlendEngine
 from ragkv.chunking import chunk_document
 from ragkv.cli import main
+from ragkv.keys import KEY_PREFIX
 from ragkv.policy import PrecomputePolicy, StorageFormat
 from ragkv.precompute import key_shard, parse_shard, precompute
 from ragkv.prefill import Prefiller
@@ -74,7 +75,7 @@ def test_parse_shard():
 
 
 def test_key_shard_stable():
-    key = "ragkv1-" + "0" * 62 + "0b"
+    key = KEY_PREFIX + "0" * 62 + "0b"
     assert key_shard(key, 4) == 11 % 4 and key_shard(key, 1) == 0
 
 

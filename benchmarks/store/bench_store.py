@@ -99,7 +99,7 @@ def main():
 
             t_put = best(put, max(3, args.reps // 4))
             t_get = best(lambda s=s: s.get(meta.key), args.reps)
-            t_stored = best(lambda s=s: s.get_stored(meta.key), args.reps)
+            t_stored = best(lambda s=s: s._get_stored(meta.key), args.reps)
             gbs = lambda t: nbytes / t / 1e9  # noqa: E731
             rows.append(
                 (

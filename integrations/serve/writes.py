@@ -85,8 +85,8 @@ def _place(store):
 
 def check_write_store(corpus, writes) -> None:
     """ValueError when ``writes`` is unbounded or shares a place with a store of ``corpus``."""
-    places = {_place(t) for t in getattr(corpus, "tiers", [corpus])} - {None}
-    for t in getattr(writes, "tiers", [writes]):
+    places = {_place(t) for t in corpus.tiers} - {None}
+    for t in writes.tiers:
         if _place(t) in places:
             raise ValueError(f"{t.uri} is also in --store: entries written for clients would share the corpus's "
                              "budget and evict it; give the write store a place of its own")

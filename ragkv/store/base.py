@@ -1,22 +1,18 @@
 """``KVStore``: the interface every backend (memory, disk, redis, tiered) implements.
 
-Public API and who calls it
----------------------------
-- engine / prefill path: ``contains(key)`` before prefilling a chunk; ``put(meta, layers_kv)`` after
-  (idempotent: False when the key is already present, may be called twice or by several processes).
-- engine / read path: ``get_meta(key)`` (header only), ``fetch_layers(keys, i)`` (layer i of each
-  key, storage dtype, or a ``Miss`` with its reason; ``get_layer``/``get_layers``: the same with None
-  for a miss), ``get(key)`` (all layers decoded to the model dtype).
-  Returned tensors are owned by the caller (in-place writes never reach the store).
-- TieredStore: ``put_encoded(key, enc)`` / ``get_encoded(key)`` to copy an entry between tiers
-  without re-quantizing.
-- precompute job: ``missing_tiers(key)`` (the tiers lacking a valid copy) and ``fill(key)`` (copy a
-  verified copy into them) to repair partial tier stacks instead of skipping them.
-- engine around a request: ``with store.pin(keys):`` keeps those entries from eviction (re-entrant,
-  reference counted, per process).
-- operators / CLI: ``check()`` (StoreUnavailable when the backend cannot be used), ``keys()``,
-  ``stats()``, ``delete(key)``, ``clear()``, ``close()``. ``uri`` and every message show URIs with
-  secrets redacted.
+Public API and who calls it (ragkv/store/README.md)
+-----------------------------------------------------
+- read path (ragkv.blend, ragkv.loader): ``contains``, ``get_meta`` (header only), ``fetch_layers(keys,
+  i)`` (layer i of each key in storage dtype, or a ``Miss`` with its reason), ``get_layer`` (one,
+  None on a miss), ``with store.pin(keys):`` (no eviction while a request reads them; re-entrant,
+  reference counted, per process; ``is_pinned``).
+- write path (ragkv.prefill, ragkv.writer): ``put_encoded(key, enc)`` (idempotent: False when
+  present; may race with other writers), ``missing_tiers(key)`` and ``fill(key)`` (repair a partial
+  tier stack), ``tiers``; ``put(meta, layers)`` encodes first (tests, tools).
+- operators and tools (CLI, TieredStore): ``check()`` (StoreUnavailable when unusable), ``keys()``,
+  ``stats()``, ``get(key)`` (every layer in the model dtype), ``get_encoded(key)`` (verified bytes,
+  for copying between tiers), ``delete``, ``clear``, ``close``. ``uri`` and every message show URIs
+  with secrets redacted. Returned tensors are the caller's (in-place writes never reach the store).
 
 Reads never raise for bad data or an unreachable backend: a corrupt entry (``CorruptEntry``) is
 counted, removed and returned as a miss; an entry of another format version (``UnsupportedEntry``,
@@ -60,7 +56,6 @@ from ragkv.store.values import (
     UNSUPPORTED,
     Miss,
     check_key,
-    size_from_str,  # noqa: F401 - importable from here, as before
 )
 
 log = logging.getLogger("ragkv.store")
@@ -193,13 +188,7 @@ class KVStore(ABC):
         r = self.fetch_layers([key], i)[0]
         return None if isinstance(r, Miss) else r
 
-    def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
-        """``fetch_layers`` without the reasons (None for a miss). Key by key through ``get_layer``
-        here, so a wrapper of ``get_layer`` sees every read; backends that batch override it."""
-        i = check_layer_index(i)
-        return [self.get_layer(k, i) for k in keys]
-
-    def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
+    def _get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
         r = self._get_full(key)
         return None if r is None else (r[1].meta, r[3])
 

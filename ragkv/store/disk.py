@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ragkv.store import disk_io
+import ragkv.store.disk_io as disk_io
 from ragkv.store.base import KVStore, Loaded, log, wants_all
 from ragkv.store.disk_io import SUFFIX, StreamedBlobs, read_exact
 from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
@@ -178,7 +178,7 @@ class DiskStore(KVStore):
         try:
             header, layout, size = disk_io.read_header(fd, key)
             if layers is not None and wants_all(layers):
-                blobs = StreamedBlobs(self, fd, layout)  # owns fd from here on
+                blobs = StreamedBlobs(fd, layout, self._reader() if self.parallel_read else None)  # owns fd
                 fd = -1
             else:
                 blobs = []

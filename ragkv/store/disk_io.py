@@ -12,18 +12,15 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragkv.store.entry import Layout, decode_header, header_nbytes
 from ragkv.store.errors import CorruptEntry
 from ragkv.store.values import is_key
-
-if TYPE_CHECKING:
-    from ragkv.store.disk import DiskStore
 
 STREAM_MIN = 4 << 20  # smaller entries are read in the caller's thread
 SUFFIX = ".kv"
@@ -56,7 +53,8 @@ class StreamedBlobs:
     verifies the layers already read (read and checksum overlap: two cores instead of one).
     Indexing waits for that layer's bytes; a read error is raised where the layer is asked for."""
 
-    def __init__(self, store: DiskStore, fd: int, layout: Layout):
+    def __init__(self, fd: int, layout: Layout, reader: Executor | None):
+        """``reader``: the pool the helper thread comes from (None: read here, before returning)."""
         self.layout = layout
         base = layout.data_offset
         # uninitialised buffer (np.empty): every byte of every blob is written by the reads below
@@ -77,10 +75,10 @@ class StreamedBlobs:
                 for ev in self._done:
                     ev.set()
 
-        if not store.parallel_read or layout.data_nbytes < STREAM_MIN:
+        if reader is None or layout.data_nbytes < STREAM_MIN:
             read()
         else:
-            store._reader().submit(read)
+            reader.submit(read)
 
     def __len__(self) -> int:
         return len(self._views)

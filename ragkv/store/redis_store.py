@@ -260,10 +260,6 @@ class RedisStore(KVStore):
                 check_layer_index(i, layouts[-1])
         return [self._layer_of(key, i, layouts[j], res[2 * j + 1]) for j, key in enumerate(keys)]
 
-    def get_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | None]:
-        """``fetch_layers`` without the reasons: one round trip for all the keys."""
-        return [None if isinstance(r, Miss) else r for r in self.fetch_layers(keys, i)]
-
     def _layer_of(self, key: str, i: int, layout, blob) -> StoredLayer | Miss:
         """One key's part of a batched read: its decoded header (or why not) and its blob."""
         if layout is None:

@@ -209,7 +209,7 @@ class TieredStore(KVStore):
         self._count("misses")
         return None
 
-    def get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
+    def _get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
         for j, t in enumerate(self.tiers):
             r = t._get_full(key)
             if r is not None:
@@ -221,7 +221,7 @@ class TieredStore(KVStore):
         return None
 
     def get(self, key: str) -> ChunkKV | None:
-        r = self.get_stored(key)
+        r = self._get_stored(key)
         if r is None:
             return None
         meta, stored = r

@@ -79,3 +79,10 @@ def open_redis(request, kind: str, namespace: str):
 
     request.addfinalizer(done)
     return s
+
+
+def layers_or_none(store, keys, i):
+    """Layer i of each key from ``fetch_layers``, None for a miss (whatever its reason)."""
+    from ragkv.store.values import Miss
+
+    return [None if isinstance(r, Miss) else r for r in store.fetch_layers(keys, i)]

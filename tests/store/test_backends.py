@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 import torch
-from store_testlib import make_entry, open_redis
+from store_testlib import layers_or_none, make_entry, open_redis
 
 from ragkv.store import StoreFull, open_store
 from ragkv.store.disk import DiskStore
@@ -300,7 +300,7 @@ def test_disk_refuses_keys_outside_the_alphabet(tmp_path, key):
     s.put(meta, layers)
     enc = encode(meta, layers)
     for op in (lambda: s.contains(key), lambda: s.get(key), lambda: s.get_meta(key), lambda: s.delete(key),
-               lambda: s.get_layer(key, 0), lambda: s.get_layers([meta.key, key], 0),
+               lambda: s.get_layer(key, 0), lambda: layers_or_none(s, [meta.key, key], 0),
                lambda: s.put_encoded(key, enc), lambda: s.path(key)):
         with pytest.raises(ValueError, match="invalid store key"):
             op()

@@ -6,10 +6,10 @@ import pytest
 from store_testlib import make_entry
 
 from ragkv.store import StoreFull, open_store
-from ragkv.store.base import size_from_str
 from ragkv.store.disk import DiskStore
 from ragkv.store.entry import encode
 from ragkv.store.memory import MemoryStore
+from ragkv.store.values import size_from_str
 
 
 def _fill(store, n, **kw) -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from store_testlib import make_entry
 
+from ragkv.keys import KEY_PREFIX
 from ragkv.store.entry import (
     CorruptEntry,
     EntryMeta,
@@ -144,7 +145,7 @@ def test_keys_stable_across_hash_seeds():
         ).stdout.strip()
         for seed in ("0", "12345", "random")
     }
-    assert len(outs) == 1 and next(iter(outs)).startswith("ragkv1-")
+    assert len(outs) == 1 and next(iter(outs)).startswith(KEY_PREFIX)
 
 
 def test_no_pickle_in_store_sources():

@@ -4,7 +4,7 @@
 import pytest
 import torch
 from redis_server import free_port
-from store_testlib import future_version, make_entry
+from store_testlib import future_version, layers_or_none, make_entry
 
 import ragkv.store as rs
 from ragkv.store.disk import DiskStore
@@ -33,7 +33,7 @@ def test_memory_fetch_layers(tmp_path):
     out = s.fetch_layers([meta.key, ABSENT_KEY, meta.key], 1)
     assert torch.equal(out[0].k, layers[1][0]) and torch.equal(out[2].v, layers[1][1])
     assert out[1] == rs.Miss("absent")
-    assert s.get_layers([meta.key, ABSENT_KEY], 1)[1] is None
+    assert layers_or_none(s, [meta.key, ABSENT_KEY], 1)[1] is None
 
 
 def _three_entries(store, damage_corrupt, damage_newer):
@@ -53,7 +53,7 @@ def _check_reasons(store, good, corrupt, newer):
     st = store.stats()
     assert (st["hits"], st["misses"], st["corruptions"], st["unsupported"], st["errors"]) == (1, 3, 1, 1, 0)
     assert not store.contains(corrupt[0].key) and store.contains(newer[0].key)
-    again = store.get_layers(keys, 1)
+    again = layers_or_none(store, keys, 1)
     assert torch.equal(again[0].v, good[1][1][1]) and again[1:] == [None, None, None]
 
 
@@ -106,7 +106,7 @@ def test_redis_fetch_layers_reasons_in_one_round_trip(redis_store):
     assert executed == ([8, 1] if s.cluster else [8])
     assert [type(x).__name__ for x in out] == ["StoredLayer", "Miss", "Miss", "Miss"]
     executed.clear()
-    assert s.get_layers([good[0].key, ABSENT_KEY], 1)[1] is None and executed == [4]
+    assert layers_or_none(s, [good[0].key, ABSENT_KEY], 1)[1] is None and executed == [4]
     s.client.pipeline = real_pipeline
     s._counts.clear()
     s.put(*corrupt)  # removed as corrupt above: damage it again
@@ -136,7 +136,7 @@ def test_tiered_fetch_layers_takes_the_first_tier_that_has_it_and_reports_errors
     disk.put(*c)
     _flip_disk_layer(disk, c[0].key, 2)
     assert up.fetch_layers([ABSENT_KEY, c[0].key], 2) == [rs.Miss("absent"), rs.Miss("corrupt")]
-    assert up.get_layers([ABSENT_KEY, b[0].key], 2)[0] is None
+    assert layers_or_none(up, [ABSENT_KEY, b[0].key], 2)[0] is None
     st = up.stats()
     assert st["hits"] == 1 and st["misses"] == 3
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from store_testlib import make_entry
+from store_testlib import layers_or_none, make_entry
 
 from ragkv.store.disk import DiskStore
 from ragkv.store.entry import decode_header, decode_layer, encode
@@ -33,7 +33,7 @@ def test_bad_layer_index_raises_and_removes_nothing(any_store, bad):
     with pytest.raises(IndexError, match=_match(bad)):
         any_store.get_layer(a.key, bad)
     with pytest.raises(IndexError, match=_match(bad)):
-        any_store.get_layers([a.key, b.key], bad)
+        layers_or_none(any_store, [a.key, b.key], bad)
     assert any_store.contains(a.key) and any_store.contains(b.key)
     assert torch.equal(any_store.get_layer(a.key, 2).k, la[2][0])
     assert any_store.get(b.key) is not None
@@ -53,7 +53,7 @@ def test_bad_index_of_an_entry_held_by_a_lower_tier_only(tmp_path):
         with pytest.raises(IndexError, match=_match(bad)):
             tiered.get_layer(a.key, bad)
         with pytest.raises(IndexError, match=_match(bad)):
-            tiered.get_layers([a.key], bad)
+            layers_or_none(tiered, [a.key], bad)
     assert disk.contains(a.key) and disk.stats()["corruptions"] == 0
 
 
@@ -74,6 +74,6 @@ def test_decode_layer_out_of_range_is_an_index_error():
 def test_redis_get_layers_past_the_end_keeps_every_entry_of_the_batch(redis_store):
     (a, _), (b, _) = _put_two(redis_store)
     with pytest.raises(IndexError, match=_match(7)):
-        redis_store.get_layers([a.key, b.key], 7)
+        layers_or_none(redis_store, [a.key, b.key], 7)
     assert redis_store.contains(a.key) and redis_store.contains(b.key)
     assert redis_store.stats()["corruptions"] == 0

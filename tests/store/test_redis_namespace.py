@@ -4,7 +4,7 @@ import uuid
 from urllib.parse import quote
 
 import pytest
-from store_testlib import make_entry
+from store_testlib import layers_or_none, make_entry
 
 from ragkv.store import open_store
 from ragkv.store.entry import encode
@@ -68,7 +68,7 @@ def test_redis_refuses_keys_the_disk_store_refuses(redis_store, key):
         lambda: redis_store.get(key),
         lambda: redis_store.get_meta(key),
         lambda: redis_store.get_layer(key, 0),
-        lambda: redis_store.get_layers([meta.key, key], 0),
+        lambda: layers_or_none(redis_store, [meta.key, key], 0),
         lambda: redis_store.contains(key),
         lambda: redis_store.put_encoded(key, enc),
     ):

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 from redis_server import RedisServer
-from store_testlib import make_entry
+from store_testlib import layers_or_none, make_entry
 
 from ragkv.store import open_store
 from ragkv.store.memory import MemoryStore
@@ -160,7 +160,7 @@ def test_redis_get_layers_batches_and_keeps_miss_and_corruption_semantics(redis_
     for meta, layers in entries[:2]:
         redis_store.put(meta, layers)
     keys = [m.key for m, _ in entries]
-    got = redis_store.get_layers(keys, 1)
+    got = layers_or_none(redis_store, keys, 1)
     for (_meta, layers), g in zip(entries[:2], got[:2]):
         assert torch.equal(g.k, layers[1][0]) and torch.equal(g.v, layers[1][1])
     assert got[2] is None  # never stored: a miss
@@ -169,7 +169,7 @@ def test_redis_get_layers_batches_and_keeps_miss_and_corruption_semantics(redis_
     blob = bytearray(redis_store.client.get(bkey))
     blob[100] ^= 0x10
     redis_store.client.set(bkey, bytes(blob))
-    got = redis_store.get_layers(keys, 1)
+    got = layers_or_none(redis_store, keys, 1)
     assert got[0] is None and got[1] is not None
     assert redis_store.stats()["corruptions"] == 1 and not redis_store.contains(keys[0])
 
@@ -183,6 +183,6 @@ def test_redis_get_layers_on_a_dead_server_is_all_misses():
     meta, layers = make_entry()
     store.put(meta, layers)
     srv.stop()
-    assert store.get_layers([meta.key, meta.key + "x"], 0) == [None, None]
+    assert layers_or_none(store, [meta.key, meta.key + "x"], 0) == [None, None]
     assert store.stats()["errors"] >= 2
     store.close()
