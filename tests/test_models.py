@@ -206,3 +206,12 @@ def test_cli_version():
 
     r = subprocess.run([sys.executable, "-m", "ragkv.cli", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and __version__ in r.stdout
+
+
+def test_every_known_model_is_named_in_the_clis_model_help():
+    from click.testing import CliRunner
+
+    from ragkv.cli import main
+
+    out = CliRunner().invoke(main, ["precompute", "--help"], terminal_width=200).output
+    assert all(name in " ".join(out.split()) for name in [models.DEFAULT_MODEL, *models.PYPI_GGUF])
