@@ -209,7 +209,7 @@ def evaluate(
     for selector, _ in methods.values():
         selector.check(engine.adapter.num_layers)
     stats = {"full": MethodStats(), **{label: MethodStats() for label in methods}}
-    errors = []
+    errors, prompt_tokens = [], []
     n_new = max(n_tokens, max_new_tokens)  # a question without gold answers needs only n_tokens
     for qi, q in enumerate(questions):
         try:  # a question that cannot run (too long for the model, bad text) is reported; the rest go on
@@ -218,6 +218,7 @@ def evaluate(
         except ValueError as e:
             errors.append({"question": qi + 1, "error": str(e)})
         else:
+            prompt_tokens.append(prompt.num_tokens)
             _evaluate_one(engine, q, prompt, methods, stats, n_tokens, n_new if q.answers else n_tokens, repeats)
         if progress is not None:
             progress(qi + 1, len(questions))
@@ -227,6 +228,8 @@ def evaluate(
         "questions": done,
         "n_tokens": n_tokens,
         "max_new_tokens": n_new,
+        "question_format": engine.template.question_format,
+        "prompt_tokens": prompt_tokens,
         "errors": errors,
         "methods": summaries,
         "pareto": pareto(summaries),

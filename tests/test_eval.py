@@ -153,7 +153,9 @@ def test_bad_options_fail_before_any_work(tmp_path):
                          (["--json", str(tmp_path / "no" / "dir" / "r.json")], "does not exist"),
                          (["--json", str(tmp_path)], "is a directory"),
                          (["--ratios", "0.1,x"], "--ratios"), (["--selectors", "psychic"], "unknown selector"),
-                         (["--check-layers", "-1"], ">= 0")):
+                         (["--check-layers", "-1"], ">= 0"),
+                         (["--question-format", "Answer briefly."], "must contain {question} once"),
+                         (["--question-format", "{question} in {lang}"], "not a format with only {question}")):
         r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--store", "memory", *args])
         assert r.exit_code == 2 and needle in r.output, (args, r.output)
         assert "Traceback" not in r.output
@@ -219,3 +221,21 @@ def test_answers_are_scored_against_the_gold_answers_for_every_method(tmp_path, 
         assert lo <= m["f1"] <= hi and m["em_ci"][0] <= m["em"] <= m["em_ci"][1]
         assert all("\n" not in a for a in pq["answer"])
     assert methods["1"]["per_question"]["answer"] == methods["full"]["per_question"]["answer"]
+
+
+def test_question_format_changes_only_the_prompts_suffix(tmp_path, tiny_smollm2_dir, smollm2_tokenizer):
+    from ragkv.prompt import PromptTemplate
+
+    lighthouse = (DOCS / "lighthouse.md").read_text()
+    q = _qfile(tmp_path, [{"question": "Who designed the lighthouse?", "contexts": [lighthouse], "answer": "Agnes"}])
+    fmt = "Reply with the answer only: no other words, no sentence, no explanation.\nQ: {question}"
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--model", str(tiny_smollm2_dir), "--store", "memory",
+                                  "--model-dtype", "float32", "--ratios", "0", "--tokens", "2", "--answer-tokens", "2",
+                                  "--question-format", fmt, "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    want = PromptTemplate.for_tokenizer(smollm2_tokenizer, question_format=fmt).build("Who designed the lighthouse?",
+                                                                                      [lighthouse])
+    default = PromptTemplate.for_tokenizer(smollm2_tokenizer).build("Who designed the lighthouse?", [lighthouse])
+    assert report["question_format"] == fmt and report["prompt_tokens"] == [want.num_tokens] != [default.num_tokens]
