@@ -79,7 +79,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "ragkv.cli", "eval", "--questions", str(questions), "--model", args.model,
                "--model-dtype", dtype, "--store", store, "--ratios", RATIOS, "--selectors", SELECTORS,
                "--question-format", QUESTION_FORMAT, "--repeats", str(args.repeats), "--json", str(report_path)]
-        print("$", shlex.join(cmd), flush=True)
+        print("$", _sh(cmd), flush=True)
         t0 = time.time()
         r = subprocess.run(cmd)
         if r.returncode not in (0, 1):  # 1: some question could not run (listed in the report)
@@ -88,8 +88,8 @@ def main() -> None:
     import torch
 
     report["meta"] = {
-        "command": shlex.join(["python", "benchmarks/qa/run_qa.py", *sys.argv[1:]]),
-        "eval_command": shlex.join(["ragkv", *cmd[3:5], _shown(Path(args.questions)), *cmd[6:-1], _shown(report_path)])
+        "command": _sh(["python", "benchmarks/qa/run_qa.py", *sys.argv[1:]]),
+        "eval_command": _sh(["ragkv", *cmd[3:5], _shown(Path(args.questions)), *cmd[6:-1], _shown(report_path)])
         + ("" if args.limit is None else f"  (the first {args.limit} questions)"),
         "questions_file": _shown(Path(args.questions)), "limit": args.limit,
         "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -100,6 +100,15 @@ def main() -> None:
     import report as qa_report
 
     qa_report.write_all(out)
+
+
+def _sh(args: list[str]) -> str:
+    """A bash command line on one line: arguments with newlines in ANSI-C quotes ($'...\\n...')."""
+    def quote(a: str) -> str:
+        if "\n" not in a:
+            return shlex.quote(a)
+        return "$'" + a.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+    return " ".join(map(quote, args))
 
 
 def _shown(path: Path) -> str:
