@@ -7,10 +7,15 @@
    where the CPU or GPU computes it natively): TTFT, and whether the answers are the same; where they
    differ, the first differing token and how sure full prefill itself was there (its logit lead of
    its token over the blend's: near 0 is a near-tie that any small error flips)
+4. both answers against the expected ones: token F1 (SQuAD normalisation, the answer's first line)
+
+    python examples/demo.py [--model smollm2-135m | qwen2.5-coder-0.5b | qwen2.5-coder-1.5b | DIR]
+    (make demo MODEL=qwen2.5-coder-0.5b)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -19,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ragkv import models
+from ragkv import answers, models
 from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.evaluate import agreeing_prefix, divergence_margin, teacher_forced_logits
 from ragkv.models import ragkv_home
@@ -30,8 +35,11 @@ NEW_TOKENS = 32
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=models.DEFAULT_MODEL, help="a model name or a local HF model directory")
+    args = ap.parse_args()
     store_uri = os.environ.get("RAGKV_DEMO_STORE", f"disk://{ragkv_home() / 'demo-store'}")
-    model, tokenizer = models.load("smollm2-135m")  # dtype: the machine's fastest
+    model, tokenizer = models.load(args.model)  # dtype: the machine's fastest
     dtype = str(model.dtype).removeprefix("torch.")
     store = open_store(store_uri)
     engine = BlendEngine(model, tokenizer, store, BlendConfig())
@@ -44,9 +52,9 @@ def main() -> None:
     print(f"[precompute] {len(docs)} documents -> {store_uri}: {computed} computed, "
           f"{len(docs) - computed} already stored ({time.perf_counter() - t0:.1f} s)")
     cfg = engine.config
-    print(f"[blend] {cfg.selector.name} selection, ratio {cfg.ratio}, model in {dtype}\n")
+    print(f"[blend] {args.model}: {cfg.selector.name} selection, ratio {cfg.ratio}, model in {dtype}\n")
 
-    speedups, same, leads = [], 0, []
+    speedups, same, leads, f1 = [], 0, [], {"blend": [], "full": []}
     for row in rows:
         prompt = engine.build_prompt(row["question"], row["contexts"])
         ids = torch.tensor([prompt.input_ids])
@@ -72,6 +80,8 @@ def main() -> None:
                       f"{tokenizer.decode(new[k:k + 1])!r}; full prefill's own lead there: {lead:.2f} logits\n")
         else:
             differ = "   [same answer]\n" if equal else ""
+        for name, text in (("blend", answer), ("full", full_answer)):
+            f1[name].append(answers.token_f1(answers.answer_text(text), row["answer"]))
         s = res.stats
         speedups.append(full_ttft / s.t_total)
         print(f"Q: {row['question']}\nA (blended):      {answer}\nA (full prefill): {full_answer}\n{differ}"
@@ -80,6 +90,8 @@ def main() -> None:
               f"prefill {full_ttft:.3f} s ({full_ttft / s.t_total:.1f}x) | expected: {row['answer']}\n")
     print(f"{dtype}: blended answer equal to full prefill's ({NEW_TOKENS} greedy tokens) in {same}/{len(rows)} "
           f"questions; median TTFT speedup {statistics.median(speedups):.1f}x against HF full prefill in {dtype}")
+    print(f"answer F1 against the expected answers (first line, SQuAD normalisation): blended "
+          f"{statistics.fmean(f1['blend']):.2f}, full prefill {statistics.fmean(f1['full']):.2f}")
     if leads:
         print(f"where they differ, full prefill's own lead of its token over the blend's was "
               f"{', '.join(f'{x:.2f}' for x in sorted(leads))} logits (near 0: full prefill itself was undecided)")

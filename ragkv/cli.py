@@ -121,7 +121,8 @@ def _model_options(f):
     f = click.option("--model-dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]), default="auto",
                      show_default=True, help="auto = bfloat16 on a GPU or a CPU with native bf16, else float32")(f)
     return click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-                        help="model name or local HuggingFace directory")(f)
+                        help="smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b (fetched and converted into "
+                             "$RAGKV_HOME on first use) or a local HuggingFace model directory")(f)
 
 
 def _engine(model_name: str, model_dtype: str, store, config=None, sink="template", gap=None, namespace="",
@@ -344,6 +345,18 @@ def _writable(path: str) -> str:
     return path
 
 
+def _question_format(text: str) -> str:
+    """A question format holding ``{question}`` once and no other field."""
+    try:
+        ok = text.format(question="\x00").count("\x00") == 1
+    except (KeyError, IndexError, ValueError) as e:
+        raise click.BadParameter(f"{text!r} is not a format with only {{question}} in it ({e})",
+                                 param_hint="--question-format") from None
+    if not ok:
+        raise click.BadParameter(f"{text!r} must contain {{question}} once", param_hint="--question-format")
+    return text
+
+
 def _ratios(text: str) -> list:
     from ragkv.blend import check_ratio
 
@@ -380,7 +393,8 @@ def _selectors(names: str, signal: str, check_layers: str | None) -> list:
 
 @main.command("eval")
 @click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="JSONL: one {question, contexts: [chunk, ...], answer?} per line.")
+              help="JSONL: one {question, contexts: [chunk, ...], answer?: str | [str]} per line (or "
+                   "answers: [str]); with gold answers, exact match and token F1 are reported.")
 @_model_options
 @click.option("--store", "store_uris", required=True, envvar="RAGKV_STORE", help=_STORE_HELP)
 @click.option("--ratios", default="0,0.15,0.3,1", show_default=True,
@@ -393,16 +407,25 @@ def _selectors(names: str, signal: str, check_layers: str | None) -> list:
 @_policy_options
 @click.option("--tokens", "n_tokens", default=32, show_default=True, type=click.IntRange(1, None),
               help="Answer tokens scored for fidelity.")
+@click.option("--answer-tokens", default=64, show_default=True, type=click.IntRange(1, None),
+              help="Most tokens of a greedy answer (it ends earlier at the end of the turn); its first line is "
+                   "scored against the gold answers.")
+@click.option("--question-format", default=None, callback=lambda c, p, v: v and _question_format(v),
+              help="The prompt's text after the chunks, {question} marking the question (not part of any cache "
+                   "key), e.g. an instruction to answer briefly  [default: ragkv.prompt.DEFAULT_QUESTION]")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, None),
               help="Timed runs per method and question (median).")
 @click.option("--namespace", default="", help="Cache namespace (salt).")
 @click.option("--json", "json_out", default=None, callback=lambda c, p, v: v and _writable(v),
               help="Also write the report here.")
 def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, selectors, signal, check_layers, sink, gap,
-             context, lead, n_tokens, repeats, namespace, json_out):
-    """Measure how faithful blending is to full prefill on your own questions.
+             context, lead, n_tokens, answer_tokens, question_format, repeats, namespace, json_out):
+    """Measure how faithful blending is to full prefill on your own questions, and with gold answers
+    how right each method's answers are (exact match, token F1).
 
     Exit status 1 when some question could not be evaluated (the others are reported)."""
+    from dataclasses import replace
+
     from ragkv.blend import BlendConfig
     from ragkv.evaluate import evaluate, format_table, load_questions
 
@@ -416,13 +439,15 @@ def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, select
     _check([store])
     engine = _engine(model_name, model_dtype, store, BlendConfig(selector=sels[0]), sink=sink, gap=gap,
                      namespace=namespace, context=context, lead=lead)
+    if question_format is not None:  # the suffix only: chunk and prefix keys do not depend on it
+        engine.template = replace(engine.template, question_format=question_format)
 
     def progress(i, n):
         click.echo(f"  question {i}/{n}", err=True)
 
     try:
-        report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, repeats=repeats, progress=progress,
-                          selectors=sels)
+        report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, max_new_tokens=answer_tokens,
+                          repeats=repeats, progress=progress, selectors=sels)
     except ValueError as e:  # e.g. a check layer beyond the model's depth
         raise click.ClickException(str(e)) from None
     report["model"], report["model_dtype"], report["store"] = model_name, str(engine.adapter.dtype), store.uri

