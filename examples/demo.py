@@ -27,7 +27,7 @@ import torch
 from ragkv import answers, models
 from ragkv.blend import BlendConfig, BlendEngine
 from ragkv.evaluate import agreeing_prefix, divergence_margin, teacher_forced_logits
-from ragkv.models import ragkv_home
+from ragkv.gguf import ragkv_home
 from ragkv.store import open_store
 
 DATA = Path(__file__).parent / "data"

@@ -41,9 +41,9 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    from ragkv.gguf import convert_smollm2
     from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
     from ragkv.integrations.vllm.precompute import precompute
-    from ragkv.models import convert_smollm2
 
     model_dir = str(convert_smollm2())
     [ids] = precompute(model_dir, DTYPE, args.store, [(QUESTION, DOCS)])  # keys depend on the dtype: vLLM's

@@ -70,8 +70,8 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=900)
     args = ap.parse_args()
 
+    from ragkv.gguf import convert_smollm2
     from ragkv.integrations.vllm.precompute import precompute
-    from ragkv.models import convert_smollm2
 
     model_dir = str(convert_smollm2())
     [ids] = precompute(model_dir, DTYPE, args.store, [(QUESTION, DOCS)])

@@ -37,21 +37,11 @@ class GenerationResult:
     ttft: float  # seconds, request -> first-token logits (prompt build + lookup + load + blend)
     t_total: float  # seconds, request -> last token
 
-    @property
-    def hits(self) -> int:
-        return self.stats.hits
-
-    @property
-    def misses(self) -> int:
-        return self.stats.misses
-
-    @property
-    def reused_tokens(self) -> int:
-        return self.stats.reused_tokens
-
-    @property
-    def recomputed_tokens(self) -> int:
-        return self.stats.recomputed_tokens
+    # the stats a caller looks at first (BlendStats: ragkv.blend.result)
+    hits = property(lambda self: self.stats.hits)
+    misses = property(lambda self: self.stats.misses)
+    reused_tokens = property(lambda self: self.stats.reused_tokens)
+    recomputed_tokens = property(lambda self: self.stats.recomputed_tokens)
 
     def stats_dict(self) -> dict:
         return {**self.stats.as_dict(), "ttft": self.ttft, "t_generate_total": self.t_total,

@@ -36,7 +36,6 @@ import torch
 # (dynamic NTK, longrope's short/long switch) or are not rotations of the full key we can shift.
 SHIFTABLE_ROPE = {"default", "linear", "llama3", "yarn"}
 IS_CAUSAL_IMPLS = ("sdpa", "flash_attention_2", "flash_attention_3")
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "typical_p")
 
 
 class UnsupportedModelError(ValueError):
@@ -222,9 +221,9 @@ class ModelAdapter:
                 f"prompt of {total_tokens} tokens exceeds the model's sliding window ({self.sliding_window}); "
                 "blending assumes every token sees the whole context"
             )
-        limit = self.max_positions
-        if limit is not None and total_tokens > limit:
-            raise ValueError(f"prompt of {total_tokens} tokens exceeds the model's context ({limit} tokens)")
+        from ragkv.prompt import check_window
+
+        check_window(total_tokens, self.max_positions, "the prompt")
 
     # ------------------------------------------------------------------ the blend's layer calls
 
@@ -331,34 +330,11 @@ class ModelAdapter:
 
     def generate(self, input_ids: torch.Tensor, cache=None, tokenizer=None, **kwargs) -> torch.Tensor:
         """``model.generate`` continuing ``cache`` (the prompt minus its last token) -> new token ids.
-        Greedy unless the caller asks to sample; ``generation_kwargs`` says exactly what changes."""
+        Greedy unless the caller asks to sample; ``ragkv.decode.generation_kwargs`` says what changes."""
+        from ragkv.decode import generation_kwargs
+
         kwargs = generation_kwargs(self.model, tokenizer, **kwargs)
         if cache is not None:
             kwargs[self.cache_kw] = cache
         out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         return out[0, input_ids.shape[1]:]
-
-
-def pad_token_id(model, tokenizer=None) -> int | None:
-    """The pad id generate should use: the tokenizer's, else the (first) EOS id."""
-    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    if pad is None:
-        eos = model.generation_config.eos_token_id
-        pad = eos[0] if isinstance(eos, list) else eos
-    return pad
-
-
-def generation_kwargs(model, tokenizer=None, **kwargs) -> dict:
-    """The caller's generate kwargs with ragkv's defaults: 64 new tokens, and greedy unless asked to
-    sample. ``do_sample`` omitted: sampling when the caller set a sampling parameter (temperature,
-    top_p, top_k, min_p, typical_p), else greedy with the model's sampling defaults cleared so
-    generate does not warn about them. The caller's values are never overwritten."""
-    kwargs.setdefault("max_new_tokens", 64)
-    if "do_sample" not in kwargs:
-        kwargs["do_sample"] = any(kwargs.get(k) is not None for k in _SAMPLING)
-    if not kwargs["do_sample"]:
-        for k in ("temperature", "top_p", "top_k"):
-            kwargs.setdefault(k, None)
-    if kwargs.get("pad_token_id") is None:
-        kwargs["pad_token_id"] = pad_token_id(model, tokenizer)
-    return kwargs

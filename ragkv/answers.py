@@ -9,6 +9,8 @@
                                 when either side normalises to yes / no / noanswer and they differ, 0.
                                 Both empty: 1.0; one empty: 0.0 (SQuAD v2)
     best(metric, pred, golds)   the maximum over several gold answers (SQuAD's rule)
+    load_questions(path)        ``ragkv eval``'s questions: JSONL ``{"question", "contexts": [chunk, ...],
+                                "answer"?: str | [str], "answers"?: [str]}``, every bad line named
 
 These follow the official evaluation scripts (SQuAD v1.1 ``evaluate-v1.1.py``, HotpotQA
 ``hotpot_evaluate_v1.py``), so scores compare with published ones.
@@ -16,10 +18,15 @@ These follow the official evaluation scripts (SQuAD v1.1 ``evaluate-v1.1.py``, H
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragkv.sources import lone_surrogate
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -66,3 +73,53 @@ def best(metric: Callable[[str, str], float], prediction: str, golds: Sequence[s
     if not golds:
         raise ValueError("no gold answer to score against")
     return max(metric(prediction, g) for g in golds)
+
+
+@dataclass
+class Question:
+    question: str
+    contexts: list[str]
+    answers: tuple[str, ...] = ()  # gold answers (any one is right); none: no EM/F1
+
+
+def load_questions(path: str | Path) -> list[Question]:
+    """Read a JSONL file of questions; every malformed line is an error naming the line."""
+    out = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected an object with 'question' and 'contexts'")
+        q, ctx = row.get("question"), row.get("contexts")
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f"{path}:{n}: 'question' must be a non-empty string")
+        if not isinstance(ctx, list) or not ctx or not all(isinstance(c, str) and c.strip() for c in ctx):
+            raise ValueError(f"{path}:{n}: 'contexts' must be a non-empty list of non-empty strings")
+        golds = _gold_answers(row, f"{path}:{n}")
+        for name, value in (("question", q), *((f"contexts[{i}]", c) for i, c in enumerate(ctx)),
+                            *((f"answer {i}", g) for i, g in enumerate(golds))):
+            why = lone_surrogate(value)
+            if why:
+                raise ValueError(f"{path}:{n}: {name!r} holds {why}")
+        out.append(Question(q, ctx, golds))
+    if not out:
+        raise ValueError(f"{path}: no questions")
+    return out
+
+
+def _gold_answers(row: dict, where: str) -> tuple[str, ...]:
+    """``answer`` (a string or a list of strings) or ``answers`` (the same), not both."""
+    given = [k for k in ("answer", "answers") if row.get(k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{where}: give 'answer' or 'answers', not both")
+    if not given:
+        return ()
+    value = row[given[0]]
+    golds = [value] if isinstance(value, str) else value
+    if not isinstance(golds, list) or not golds or not all(isinstance(g, str) and g.strip() for g in golds):
+        raise ValueError(f"{where}: '{given[0]}' must be a non-empty string or a list of them")
+    return tuple(golds)

@@ -132,19 +132,10 @@ def merge(rows: Iterable[dict], summary: PrecomputeSummary) -> None:
         summary.stop(f"a worker stopped: {stops[0]}", sum(r["outcome"] == "not_attempted" for r in best.values()))
 
 
-def precompute_ray(
-    spec: EngineSpec,
-    paths: Iterable[str | os.PathLike] = (),
-    texts: Iterable[str] = (),
-    *,
-    chunk_tokens: int = 512,
-    batch_tokens: int = 4096,
-    workers: int = 1,
-    cpus_per_worker: int = 1,
-    address: str | None = None,
-    allow_eviction: bool = False,
-    progress: bool = False,
-) -> PrecomputeSummary:
+def precompute_ray(spec: EngineSpec, paths: Iterable[str | os.PathLike] = (), texts: Iterable[str] = (), *,
+                   workers: int = 1, cpus_per_worker: int = 1, address: str | None = None,
+                   chunk_tokens: int = 512, batch_tokens: int = 4096, allow_eviction: bool = False,
+                   progress: bool = False) -> PrecomputeSummary:
     """The local ``precompute`` on Ray Data: ``workers`` actors of ``cpus_per_worker`` CPUs each.
     ``address``: None starts a new local Ray (or uses the one this process already joined), 'auto'
     or HOST:PORT joins a running cluster. The store (``spec.store_uri``) must be shared by every worker.
@@ -170,32 +161,44 @@ def precompute_ray(
     if not docs:
         summary.seconds = time.perf_counter() - t0
         return summary
-    started = not ray.is_initialized()
-    if started:
-        try:
-            # "local": a new Ray of our own, even where `ray start` left a (maybe stale) default cluster
-            ray.init(address=address or "local", include_dashboard=False, log_to_driver=progress)
-        except Exception as e:  # e.g. --ray-address auto with no `ray start` on this machine
-            where = f"join Ray at {address}" if address else "start a local Ray"
-            raise RuntimeError(f"cannot {where}: {type(e).__name__}: {e}") from None
+    started = _start_ray(ray, address, progress)
     try:
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = progress
-        ds = ray.data.from_items(units(docs, UNITS_PER_WORKER * workers)).map_batches(
-            _PrecomputeActor,
-            fn_constructor_kwargs={"spec": spec, "chunk_tokens": chunk_tokens, "batch_tokens": batch_tokens,
-                                   "threads": cpus_per_worker},
-            compute=ray.data.ActorPoolStrategy(size=workers),
-            batch_size=1,
-            num_cpus=cpus_per_worker,
-        )
-        try:
-            merge(ds.iter_rows(), summary)
-        except ray.exceptions.RayError as e:  # e.g. an actor could not load the model or open the store
-            raise RuntimeError(f"the Ray job failed: {e}") from None
+        _run(ray, docs, spec, summary, workers, chunk_tokens, batch_tokens, cpus_per_worker, progress)
     finally:
         if started:
             ray.shutdown()
     summary.seconds = time.perf_counter() - t0
     summary.tokens_per_s = summary.tokens / summary.seconds if summary.seconds > 0 else 0.0
     return summary
+
+
+def _start_ray(ray, address: str | None, progress: bool) -> bool:
+    """Start (address None: a new local Ray of our own, even where `ray start` left a maybe stale
+    default cluster) or join Ray unless this process already has; -> whether it was started here."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=progress)
+    except Exception as e:  # e.g. --ray-address auto with no `ray start` on this machine
+        where = f"join Ray at {address}" if address else "start a local Ray"
+        raise RuntimeError(f"cannot {where}: {type(e).__name__}: {e}") from None
+    return True
+
+
+def _run(ray, docs, spec: EngineSpec, summary: PrecomputeSummary, workers: int, chunk_tokens: int,
+         batch_tokens: int, cpus_per_worker: int, progress: bool) -> None:
+    """The Ray Data pipeline: work units -> an actor pool -> one row per entry, merged into ``summary``."""
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = progress
+    ds = ray.data.from_items(units(docs, UNITS_PER_WORKER * workers)).map_batches(
+        _PrecomputeActor,
+        fn_constructor_kwargs={"spec": spec, "chunk_tokens": chunk_tokens, "batch_tokens": batch_tokens,
+                               "threads": cpus_per_worker},
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        batch_size=1,
+        num_cpus=cpus_per_worker,
+    )
+    try:
+        merge(ds.iter_rows(), summary)
+    except ray.exceptions.RayError as e:  # e.g. an actor could not load the model or open the store
+        raise RuntimeError(f"the Ray job failed: {e}") from None

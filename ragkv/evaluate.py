@@ -27,70 +27,18 @@ than the model's window) is reported in ``errors`` and the others go on.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ragkv import answers
+from ragkv.answers import Question
 from ragkv.blend import BlendEngine, BlendResult
 from ragkv.blend.select import Selector, make_selector
-from ragkv.sources import lone_surrogate
-
-
-@dataclass
-class Question:
-    question: str
-    contexts: list[str]
-    answers: tuple[str, ...] = ()  # gold answers (any one is right); none: no EM/F1
-
-
-def load_questions(path: str | Path) -> list[Question]:
-    """Read a JSONL file of questions; every malformed line is an error naming the line."""
-    out = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{n}: expected an object with 'question' and 'contexts'")
-        q, ctx = row.get("question"), row.get("contexts")
-        if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"{path}:{n}: 'question' must be a non-empty string")
-        if not isinstance(ctx, list) or not ctx or not all(isinstance(c, str) and c.strip() for c in ctx):
-            raise ValueError(f"{path}:{n}: 'contexts' must be a non-empty list of non-empty strings")
-        golds = _gold_answers(row, f"{path}:{n}")
-        for name, value in (("question", q), *((f"contexts[{i}]", c) for i, c in enumerate(ctx)),
-                            *((f"answer {i}", g) for i, g in enumerate(golds))):
-            why = lone_surrogate(value)
-            if why:
-                raise ValueError(f"{path}:{n}: {name!r} holds {why}")
-        out.append(Question(q, ctx, golds))
-    if not out:
-        raise ValueError(f"{path}: no questions")
-    return out
-
-
-def _gold_answers(row: dict, where: str) -> tuple[str, ...]:
-    """``answer`` (a string or a list of strings) or ``answers`` (the same), not both."""
-    given = [k for k in ("answer", "answers") if row.get(k) is not None]
-    if len(given) > 1:
-        raise ValueError(f"{where}: give 'answer' or 'answers', not both")
-    if not given:
-        return ()
-    value = row[given[0]]
-    golds = [value] if isinstance(value, str) else value
-    if not isinstance(golds, list) or not golds or not all(isinstance(g, str) and g.strip() for g in golds):
-        raise ValueError(f"{where}: '{given[0]}' must be a non-empty string or a list of them")
-    return tuple(golds)
 
 
 def bootstrap_ci(values: Sequence[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -260,19 +208,10 @@ def pareto(methods: dict[str, dict]) -> dict:
     return {"front": [name for _, name in sorted(front)], "dominated": dominated}
 
 
-def stop_ids(model, tokenizer) -> list[int]:
-    """Where a greedy answer ends: the model's EOS id(s) and the tokenizer's end-of-turn token
-    (SmolLM2 and Qwen2.5: ``<|im_end|>``)."""
-    eos = model.generation_config.eos_token_id
-    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
-    end = getattr(tokenizer, "eos_token_id", None)
-    return ids + ([end] if end is not None and end not in ids else [])
-
-
 def _evaluate_one(engine: BlendEngine, q: Question, prompt, methods: dict, stats: dict, n_tokens: int, n_new: int,
                   repeats: int) -> None:
     adapter, tok = engine.adapter, engine.tokenizer
-    gen = {"max_new_tokens": n_new, "do_sample": False, "eos_token_id": stop_ids(adapter.model, tok) or None}
+    gen = {"max_new_tokens": n_new, "do_sample": False}  # up to a stop id (ragkv.decode.generation_kwargs)
     engine.ensure(q.contexts)  # precompute what is missing: not timed
     ids = torch.tensor([prompt.input_ids], device=adapter.device)
     times = []

@@ -25,7 +25,7 @@ from ragkv.fingerprint import fingerprint
 from ragkv.keys import Keyspace, ModelFingerprint
 from ragkv.neighbours import neighbour_contexts
 from ragkv.policy import PrecomputePolicy, StorageFormat
-from ragkv.prompt import PromptTemplate
+from ragkv.prompt import PromptTemplate, check_window
 from ragkv.store.entry import encode
 from ragkv.store.errors import StoreError
 
@@ -138,13 +138,9 @@ def prefill_kv(
     reaches a real token, so no attention mask is needed), one forward per batch.
     """
     s = len(sink_ids)
-    limit = adapter.max_positions
     longest = max(map(len, chunks), default=0)
-    if limit is not None and s + gap + longest > limit:
-        raise ValueError(
-            f"a chunk of {longest} tokens behind a {s}-token sink and a gap of {gap} exceeds the model's "
-            f"{limit} positions; use shorter chunks or a smaller PrecomputePolicy gap"
-        )
+    check_window(s + gap + longest, adapter.max_positions, f"a chunk of {longest} behind a {s}-token sink and a "
+                 f"gap of {gap}", "use shorter chunks or a smaller PrecomputePolicy gap")
     if contexts is None:
         contexts = [()] * len(chunks)
     elif len(contexts) != len(chunks):

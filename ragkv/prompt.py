@@ -17,6 +17,15 @@ _SENTINEL = "\x00RAGKV-CONTENT\x00"
 DEFAULT_QUESTION = "Answer the question using the documents above. Be brief.\nQuestion: {question}"
 
 
+def check_window(tokens: int, window: int | None, what: str, hint: str = "") -> None:
+    """THE context-window check: ``what`` (a prompt, a context, a chunk behind its sink) of ``tokens``
+    tokens fits a model of ``window`` positions (None: no limit known), else a ValueError naming both
+    and, with ``hint``, what to do."""
+    if window is not None and tokens > window:
+        raise ValueError(f"{what} has {tokens} tokens, longer than the model's window ({window} tokens)"
+                         + (f"; {hint}" if hint else ""))
+
+
 @dataclass(frozen=True)
 class Prompt:
     prefix_ids: list[int]
@@ -100,9 +109,7 @@ class PromptTemplate:
             if not c.strip():
                 raise ValueError(f"{name} is empty or whitespace only")
             ids = self.chunk_ids(c)
-            if max_tokens is not None and len(ids) > max_tokens:
-                raise ValueError(f"{_describe(name, c)} has {len(ids)} tokens, longer than the model's window "
-                                 f"({max_tokens}); split it with ragkv.chunking.chunk_document")
+            check_window(len(ids), max_tokens, _describe(name, c), "split it with ragkv.chunking.chunk_document")
             out.append(ids)
         return out
 
@@ -111,13 +118,10 @@ class PromptTemplate:
         (the model's window) a prompt that does not fit is an error naming its longest context."""
         suffix = self.suffix_ids(question)
         prompt = Prompt(list(self.prefix_ids), self.chunks(contexts, max_tokens), suffix)
-        if max_tokens is not None and prompt.num_tokens > max_tokens:
-            lens = [len(ids) for ids in prompt.chunk_ids]
-            worst = max(range(len(lens)), key=lens.__getitem__)
-            raise ValueError(
-                f"{_describe(f'context {worst}', contexts[worst])} ({lens[worst]} tokens) makes the prompt longer than the "
-                f"model's window ({prompt.num_tokens} prompt tokens > {max_tokens}); pass fewer or shorter contexts"
-            )
+        lens = [len(ids) for ids in prompt.chunk_ids]
+        worst = max(range(len(lens)), key=lens.__getitem__)
+        check_window(prompt.num_tokens, max_tokens, "the prompt", f"its longest context, "
+                     f"{_describe(f'context {worst}', contexts[worst])}, has {lens[worst]}: pass fewer or shorter contexts")
         return prompt
 
 

@@ -45,7 +45,7 @@ def test_sampling_parameters_are_never_overwritten(gen, monkeypatch):
 
 
 def test_generation_kwargs_defaults():
-    from ragkv.adapter import generation_kwargs
+    from ragkv.decode import generation_kwargs
 
     model = models.tiny_model("llama")
     assert generation_kwargs(model)["do_sample"] is False

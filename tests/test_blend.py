@@ -369,7 +369,7 @@ def test_bad_inputs_are_clear_errors():
         DeviationSelector(signal="q")
     with pytest.raises(ValueError, match="check layer"):
         engine(model, check_layers=(9,)).prefill_prompt(make_prompt())
-    with pytest.raises(ValueError, match="exceeds the model's context"):
+    with pytest.raises(ValueError, match="longer than the model's window"):
         eng.prefill_prompt(make_prompt(sizes=(1500, 700)))
 
 
@@ -484,7 +484,7 @@ def test_default_policy_gap_follows_the_context_and_long_chunks_are_refused():
     eng = engine(model)
     assert eng.prefiller.policy.gap == 512 and eng.keys.chunk_start == len(TEMPLATE.prefix_ids) + 512
     assert PrecomputePolicy().resolve(8192).gap == 1024 and PrecomputePolicy().resolve(None).gap == 1024
-    with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
+    with pytest.raises(ValueError, match=r"longer than the model's window \(2048 tokens\)"):
         eng.prefiller.prefill([list(range(10, 1600))])
     assert eng.config.selector.layers_for(eng.adapter.num_layers) == [1]  # (1, 3, 6) cut to a 4-layer model
 
@@ -757,7 +757,7 @@ def test_qwen25_shaped_model_rerotates_exactly_and_blends_to_full_prefill_at_rat
     attn = model.model.layers[0].self_attn
     assert attn.k_proj.bias is not None and attn.num_key_value_groups == 7 and not model.config.tie_word_embeddings
     ids = torch.randint(10, 500, (41,), generator=torch.Generator().manual_seed(7)).tolist()
-    (stored,) = prefill_kv(model, [], [ids])  # computed alone at positions 0..40 (the key bias rotated too)
+    (stored,) = prefill_kv(ModelAdapter.of(model), [], [ids])  # computed alone at positions 0..40 (the key bias rotated too)
     inv_freq = ModelAdapter.of(model).inv_freq
     for offset in (3, 1500):
         cache = DynamicCache(config=model.config)

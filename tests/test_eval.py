@@ -8,9 +8,9 @@ import torch
 from click.testing import CliRunner
 
 from ragkv.adapter import ModelAdapter
-from ragkv.answers import exact_match, token_f1
+from ragkv.answers import exact_match, load_questions, token_f1
 from ragkv.cli import main
-from ragkv.evaluate import bootstrap_ci, divergence_margin, load_questions, pareto, teacher_forced_logits
+from ragkv.evaluate import bootstrap_ci, divergence_margin, pareto, teacher_forced_logits
 
 DOCS = Path(__file__).parents[1] / "examples" / "data" / "docs"
 

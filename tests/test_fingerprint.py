@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from ragkv import models
+from ragkv import gguf, models
 from ragkv.fingerprint import fingerprint, fingerprint_dir
 
 
@@ -62,11 +62,11 @@ def test_a_directory_without_safetensors_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_smollm2_from_its_directory_in_milliseconds_equals_the_loaded_model(smollm2):
     model, _ = smollm2
-    path = models.convert_smollm2()
+    path = gguf.convert_smollm2()
     t = time.perf_counter()
     from_files = fingerprint_dir(path, model.dtype)
     took = time.perf_counter() - t
     assert from_files == fingerprint(model)
-    gguf_model, _ = models.load_gguf(models.smollm2_gguf_path(), dtype=model.dtype)
+    gguf_model, _ = gguf.load_gguf(gguf.smollm2_gguf_path(), dtype=model.dtype)
     assert fingerprint(gguf_model) == from_files  # the same weights loaded from the GGUF
     print(f"fingerprint_dir(SmolLM2-135M): {took * 1e3:.1f} ms")

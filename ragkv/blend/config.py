@@ -21,6 +21,17 @@ def check_ratio(ratio, what: str = "ratio") -> float | str:
     return float(ratio)
 
 
+def parse_ratio(text: str, what: str = "ratio") -> float | str:
+    """A ratio written as text (a CLI option, a request field): "auto" or a number in [0, 1]."""
+    text = str(text).strip()
+    if text == "auto":
+        return text
+    try:
+        return check_ratio(float(text), what)
+    except ValueError:
+        raise ValueError(f"{what} must be a number in [0, 1] or 'auto', got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class BlendConfig:
     """ratio: fraction of the reused (chunk) tokens recomputed, or "auto" (the loading controller

@@ -1,18 +1,11 @@
 """``KVStore``: the interface every backend (memory, disk, redis, tiered) implements.
 
-Public API and who calls it (ragkv/store/README.md)
------------------------------------------------------
-- read path (ragkv.blend, ragkv.loader): ``contains``, ``get_meta`` (header only), ``fetch_layers(keys,
-  i)`` (layer i of each key in storage dtype, or a ``Miss`` with its reason), ``get_layer`` (one,
-  None on a miss), ``with store.pin(keys):`` (no eviction while a request reads them; re-entrant,
-  reference counted, per process; ``is_pinned``).
-- write path (ragkv.prefill, ragkv.writer): ``put_encoded(key, enc)`` (idempotent: False when
-  present; may race with other writers), ``missing_tiers(key)`` and ``fill(key)`` (repair a partial
-  tier stack), ``tiers``; ``put(meta, layers)`` encodes first (tests, tools).
-- operators and tools (CLI, TieredStore): ``check()`` (StoreUnavailable when unusable), ``keys()``,
-  ``stats()``, ``get(key)`` (every layer in the model dtype), ``get_encoded(key)`` (verified bytes,
-  for copying between tiers), ``delete``, ``clear``, ``close``. ``uri`` and every message show URIs
-  with secrets redacted. Returned tensors are the caller's (in-place writes never reach the store).
+Who calls what (the table in ragkv/store/README.md): the read path ``contains``, ``get_meta``,
+``fetch_layers(keys, i)`` (layer i of each key, or a ``Miss`` with its reason), ``get_layer``,
+``pin``; the write path ``put_encoded``, ``missing_tiers``, ``fill``, ``tiers``; operators and tools
+``check``, ``keys``, ``stats``, ``get``, ``get_encoded``, ``put``, ``delete``, ``clear``, ``close``.
+Returned tensors are the caller's (in-place writes never reach the store); ``uri`` and every
+message show URIs with secrets redacted.
 
 Reads never raise for bad data or an unreachable backend: a corrupt entry (``CorruptEntry``) is
 counted, removed and returned as a miss; an entry of another format version (``UnsupportedEntry``,
@@ -114,6 +107,19 @@ class KVStore(ABC):
     def tiers(self) -> list[KVStore]:
         """The stores this one is made of, fastest first: ``[self]``; a TieredStore's tiers."""
         return [self]
+
+    def _checked(self, key: str, check) -> bool:
+        """``contains`` of a backend that checks an entry cheaply: ``check()`` raises CorruptEntry for
+        a damaged one (counted and removed, so a put rewrites it: absent) or UnsupportedEntry for one
+        of a newer format (present: never overwritten); else the entry is there."""
+        try:
+            check()
+        except UnsupportedEntry:
+            return True
+        except CorruptEntry as e:
+            self._corrupt(key, e, miss=False)
+            return False
+        return True
 
     def missing_tiers(self, key: str) -> list[KVStore]:
         """The stores that lack a valid entry for ``key``: here ``[]`` or ``[self]``; a

@@ -1,32 +1,16 @@
 """Embedded on-disk store: one file per entry, safe for several processes sharing a directory.
 
-Layout under ``root``::
-
     objects/<2 hex fan-out>/<key>.kv     header | pad to 64 | blob 0 | blob 1 | ...
     objects/<xx>/.tmp-<key>-<host>-<pid>-<rand>   in-flight writes (removed on failure)
     index.json                           {key: [bytes, last access]} (a cache of the directory)
     .lock                                fcntl lock taken for index writes and eviction
 
-Files are created with ``mode`` (0o600 by default), directories with the matching x bits (0o700),
-whatever the umask; directories that already exist keep their mode.
-
-- Writes: temp file in the entry's directory, fsync, ``os.replace`` -> readers see the whole entry
-  or none. ENOSPC/EDQUOT -> ``StoreFull`` naming the path; the temp file is removed.
-- Reads: ``get_layer`` reads the header then ``pread``s only that layer's byte range; ``get`` reads
-  the file with one ``readinto``. An entry deleted by another process between open and read is
-  still read whole (POSIX keeps it until close); one deleted before open is a miss.
-- LRU: a hit bumps the file's mtime (at most once a second per key and process), so access time is
-  shared by every process and survives restarts. When this process's view of the total exceeds
-  ``max_bytes`` (or every ``rescan_every`` puts), it takes the lock, rescans the directory
-  (picking up other processes' writes) and deletes the least recently used unpinned entries.
-  Pins are per process. The budget is exceeded at most by what other processes wrote since.
-- Restart: ``index.json`` gives sizes and access times without a stat per file; the directory
-  listing is always compared with it and anything missing or extra is stat-ed (lost or stale
-  index -> rebuilt by scanning).
-- Temp files: every rescan (at open, at evict) deletes those of a dead writer on this host right
-  away (the name carries host and pid: a ``kill -9`` mid-write leaves nothing behind for long) and
-  those of other hosts (shared NFS) or of older versions after an hour; live ones count toward
-  ``max_bytes``.
+Writes: temp file, fsync, ``os.replace`` (readers see all of an entry or none); ENOSPC/EDQUOT ->
+``StoreFull``. Reads: the header, then only the asked layers' byte ranges (``pread``); a whole entry
+streamed while it is verified. LRU by file mtime (shared by every process, survives restarts): past
+``max_bytes`` (or every ``rescan_every`` puts) the directory is rescanned under the lock and the least
+recently used unpinned entries go (ragkv.store.disk_index). Files ``mode`` 0o600, directories 0o700
+by default, whatever the umask. Details: ragkv/store/README.md.
 """
 
 from __future__ import annotations
@@ -35,7 +19,6 @@ import errno
 import hashlib
 import os
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -45,10 +28,11 @@ import numpy as np
 
 import ragkv.store.disk_io as disk_io
 from ragkv.store.base import KVStore, Loaded, log, wants_all
+from ragkv.store.disk_index import DiskIndex
 from ragkv.store.disk_io import SUFFIX, StreamedBlobs, read_exact
 from ragkv.store.disk_io import write_all as _write_all  # module global: tests patch it
 from ragkv.store.entry import EncodedEntry, Layout, check_layer_index
-from ragkv.store.errors import CorruptEntry, StoreError, StoreFull, StoreUnavailable, UnsupportedEntry
+from ragkv.store.errors import StoreError, StoreFull, StoreUnavailable
 from ragkv.store.values import budget_from, check_key, is_key
 
 _PAD = bytes(64)
@@ -90,11 +74,7 @@ class DiskStore(KVStore):
         self.parallel_read = (os.cpu_count() or 1) > 1 if parallel_read is None else parallel_read
         self._objects = self.root / "objects"
         self._lock_path = self.root / ".lock"
-        self._index_path = self.root / "index.json"
-        self._index: dict[str, list] = {}  # key -> [nbytes, last access (mtime)]
-        self._bytes = 0
-        self._tmp_bytes = 0  # live temp files (in-flight writes) at the last scan
-        self._puts_since_scan = 0
+        self._entries = DiskIndex(self._objects, self.root / "index.json", self.mode, read_only)
         self._pool: ThreadPoolExecutor | None = None
         try:
             if create:
@@ -105,15 +85,16 @@ class DiskStore(KVStore):
                 what = "no such directory" if not self.root.exists() else "not a store (no objects/ directory)"
                 raise StoreUnavailable(f"disk store {self.root}: {what}; nothing was created")
             with self._flock():
-                self._rescan(load_index=True)
+                self._entries.rescan(load_index=True)
         except (NotADirectoryError, FileExistsError):
             raise ValueError(f"disk store path {self.root} is not a directory (or lies under a file)") from None
         except OSError as e:
             raise StoreUnavailable(f"disk store {self.root}: cannot use it: {e}") from None
-        if self.max_bytes is not None and self._bytes + self._tmp_bytes > self.max_bytes:
+        held = self._entries.usage()
+        if self.max_bytes is not None and held["bytes"] + held["tmp_bytes"] > self.max_bytes:
             log.warning("%s: the directory holds %d bytes in %d entries, more than max_bytes=%d; "
-                        "the first write will evict down to it", self.uri, self._bytes + self._tmp_bytes,
-                        len(self._index), self.max_bytes)
+                        "the first write will evict down to it", self.uri, held["bytes"] + held["tmp_bytes"],
+                        held["entries"], self.max_bytes)
 
     @property
     def uri(self) -> str:
@@ -155,13 +136,7 @@ class DiskStore(KVStore):
         except FileNotFoundError:
             return False
         try:
-            disk_io.read_header(fd, key)
-            return True
-        except UnsupportedEntry:
-            return True
-        except CorruptEntry as e:
-            self._corrupt(key, e, miss=False)
-            return False
+            return self._checked(key, lambda: disk_io.read_header(fd, key))
         except OSError as e:
             log.debug("%s: contains(%s) could not read: %s", self.uri, key, e)
             return False
@@ -173,7 +148,7 @@ class DiskStore(KVStore):
         try:
             fd = os.open(p, os.O_RDONLY)
         except FileNotFoundError:
-            self._forget(key)
+            self._entries.forget(key)
             return None
         try:
             header, layout, size = disk_io.read_header(fd, key)
@@ -190,7 +165,7 @@ class DiskStore(KVStore):
         finally:
             if fd >= 0:
                 os.close(fd)
-        self._touch(key, p, size)
+        self._entries.touch(key, p, size)
         return header, layout, blobs
 
     def _store(self, key: str, enc: EncodedEntry, layout: Layout, owned: bool) -> bool:
@@ -222,15 +197,8 @@ class DiskStore(KVStore):
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFull(f"disk store {self.root}: no space left writing {p}") from e
             raise StoreError(f"disk store {self.root}: writing {p} failed: {e}") from e
-        with self._lock:
-            if key not in self._index:
-                self._bytes += layout.total_nbytes
-            self._index[key] = [layout.total_nbytes, time.time()]
-            self._puts_since_scan += 1
-            need = (self.max_bytes is not None and self._bytes + self._tmp_bytes > self.max_bytes) or (
-                self._puts_since_scan >= self.rescan_every
-            )
-        if need:
+        total, puts = self._entries.added(key, layout.total_nbytes)
+        if (self.max_bytes is not None and total > self.max_bytes) or puts >= self.rescan_every:
             self.evict()
         return True
 
@@ -242,7 +210,7 @@ class DiskStore(KVStore):
             ok = True
         except FileNotFoundError:
             ok = False
-        self._forget(key)
+        self._entries.forget(key)
         return ok
 
     def keys(self) -> Iterator[str]:
@@ -265,7 +233,7 @@ class DiskStore(KVStore):
         with self._flock():
             for k in list(self.keys()):
                 self._remove(k)
-            self._save_index()
+            self._entries.save()
 
     def foreign_files(self) -> list[str]:
         """Files under ``objects/`` that are neither entries nor temp files (paths relative to the
@@ -286,14 +254,12 @@ class DiskStore(KVStore):
             return
         try:
             with self._flock():
-                self._save_index()
+                self._entries.save()
         except OSError as e:  # pragma: no cover - read-only dir etc.
             log.warning("%s: could not save index: %s", self.uri, e)
 
     def _usage(self) -> dict:
-        with self._lock:
-            return {"entries": len(self._index), "bytes": self._bytes, "max_bytes": self.max_bytes,
-                    "tmp_bytes": self._tmp_bytes}
+        return {**self._entries.usage(), "max_bytes": self.max_bytes}
 
     # ---- index / eviction -----------------------------------------------------------------------
 
@@ -303,76 +269,21 @@ class DiskStore(KVStore):
         limit = self.max_bytes if max_bytes is None else max_bytes
         n = 0
         with self._flock():
-            self._rescan(load_index=False)
-            for key, _ in self._victims(limit):
+            self._entries.rescan(load_index=False)
+            for key, _ in self._entries.victims(limit, self.is_pinned):
                 n += self._remove(key)
             self._count("evictions", n)
-            self._save_index()
+            self._entries.save()
         return n
 
     def plan_eviction(self, max_bytes: int) -> tuple[int, int]:
         """(entries, bytes) that ``evict(max_bytes)`` would delete now; deletes nothing."""
         with self._flock():
-            self._rescan(load_index=False)
-            victims = self._victims(max_bytes)
+            self._entries.rescan(load_index=False)
+            victims = self._entries.victims(max_bytes, self.is_pinned)
         return len(victims), sum(nbytes for _, nbytes in victims)
-
-    def _victims(self, limit: int | None) -> list[tuple[str, int]]:
-        """LRU unpinned entries to delete so that the directory fits ``limit`` (lock held)."""
-        with self._lock:  # live temp files count: they become entries
-            total, order = self._bytes + self._tmp_bytes, sorted(self._index.items(), key=lambda kv: kv[1][1])
-        out = []
-        for key, (nbytes, _) in order:
-            if limit is None or total <= limit:
-                break
-            if not self.is_pinned(key):
-                out.append((key, nbytes))
-                total -= nbytes
-        return out
 
     def _flock(self):
         if self.read_only:  # the lock if it is there (shared), never a new lock file
             return disk_io.flock(self._lock_path, self.mode, create=False)
         return disk_io.flock(self._lock_path, self.mode)
-
-    def _touch(self, key: str, p: Path, size: int) -> None:
-        if self.read_only:
-            return
-        now = time.time()
-        with self._lock:
-            e = self._index.get(key)
-            if e is not None and now - e[1] < 1.0:
-                return
-            if e is None:
-                self._bytes += size
-            self._index[key] = [size, now]
-        with suppress(OSError):
-            os.utime(p, (now, now))
-
-    def _forget(self, key: str) -> None:
-        with self._lock:
-            e = self._index.pop(key, None)
-            if e is not None:
-                self._bytes -= e[0]
-
-    def _rescan(self, load_index: bool) -> None:
-        """Reconcile the index with the directory (lock held), sweeping orphaned temp files. Known
-        entries keep their cached size; their access time is refreshed from mtime; unknown ones
-        are stat-ed."""
-        if load_index:
-            cached = disk_io.load_index(self._index_path)
-        else:
-            with self._lock:
-                cached = {k: list(v) for k, v in self._index.items()}
-        index, tmp_bytes = disk_io.scan_objects(self._objects, cached, trust_cached=load_index,
-                                                sweep=not self.read_only)
-        with self._lock:
-            self._index = index
-            self._bytes = sum(v[0] for v in index.values())
-            self._tmp_bytes = tmp_bytes
-            self._puts_since_scan = 0
-
-    def _save_index(self) -> None:
-        with self._lock:
-            entries = dict(self._index)
-        disk_io.save_index(self._index_path, entries, self.mode)

@@ -176,21 +176,16 @@ class RedisStore(KVStore):
         """The header is valid for ``key`` and every blob key exists (two round trips when present:
         GET header, EXISTS blobs). A damaged entry (e.g. a blob evicted by maxmemory) is counted as
         corrupt and removed, so a put rewrites it; an entry of a newer format counts as present."""
-        try:
-            header = self._call(lambda: self.client.get(self._hkey(key)))
-            if header is None:
-                return False
+        def check():
             _, layout = decode_header(header, key)
             names = [self._bkey(key, i) for i in range(len(layout.layers))]
             found = self._call(lambda: self.client.exists(*names))
             if found != len(names):
                 raise CorruptEntry(f"{len(names) - found} of {len(names)} layer blobs missing (evicted or expired)")
-            return True
-        except UnsupportedEntry:
-            return True
-        except CorruptEntry as e:
-            self._corrupt(key, e, miss=False)
-            return False
+
+        try:
+            header = self._call(lambda: self.client.get(self._hkey(key)))
+            return header is not None and self._checked(key, check)
         except StoreError:
             self._count("errors")
             return False

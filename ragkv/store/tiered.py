@@ -23,17 +23,9 @@ from contextlib import ExitStack, contextmanager
 
 from torch import Tensor
 
+import ragkv.store.entry as codec
 from ragkv.store.base import KVStore, Loaded, log
-from ragkv.store.entry import (
-    ChunkKV,
-    EncodedEntry,
-    EntryMeta,
-    Layout,
-    StoredLayer,
-    check_layer_index,
-    decode_header,
-    encode,
-)
+from ragkv.store.entry import ChunkKV, EncodedEntry, EntryMeta, Layout, StoredLayer
 from ragkv.store.errors import CorruptEntry, StoreError, StoreUnavailable, UnsupportedEntry
 from ragkv.store.values import Miss, check_key
 
@@ -134,7 +126,7 @@ class TieredStore(KVStore):
         present). True when a tier was written; False when every tier already had it."""
         check_key(key)
         try:
-            decode_header(enc.header, key)
+            codec.decode_header(enc.header, key)
         except (CorruptEntry, UnsupportedEntry) as e:
             raise ValueError(f"put_encoded({key!r}): invalid entry: {e}") from None
         wrote = self._write_tiers(self.tiers, key, enc)
@@ -157,27 +149,33 @@ class TieredStore(KVStore):
         if not missing:
             self._count("put_skipped")
             return False
-        wrote = self._write_tiers(missing, meta.key, encode(meta, list(layers_kv)))
+        wrote = self._write_tiers(missing, meta.key, codec.encode(meta, list(layers_kv)))
         self._count("puts" if wrote else "put_skipped")
         return wrote
 
-    def get_meta(self, key: str) -> EntryMeta | None:
+    def _first(self, read):
+        """(tier index, ``read(tier)``) of the first tier whose read is not None, counted as a hit;
+        (-1, None) and a miss when none has it."""
         for j, t in enumerate(self.tiers):
-            m = t.get_meta(key)
-            if m is not None:
+            got = read(t)
+            if got is not None:
                 self._count("hits")
-                if j > 0 and self.promote_on_lookup:
-                    self._schedule_promotion(key)
-                return m
+                return j, got
         self._count("misses")
-        return None
+        return -1, None
+
+    def get_meta(self, key: str) -> EntryMeta | None:
+        j, meta = self._first(lambda t: t.get_meta(key))
+        if j > 0 and self.promote_on_lookup:
+            self._schedule_promotion(key)
+        return meta
 
     def fetch_layers(self, keys: Sequence[str], i: int) -> list[StoredLayer | Miss]:
         """Layer i of each key from the first tier that has it, asking each tier once for all the
         keys still missing (no promotion). A key no tier has gets the most telling reason of its
         tiers' misses: "error" when a tier could not be asked (the entry may exist there), else
         "corrupt", else "unsupported", else "absent". Each tier counts its own misses too."""
-        i = check_layer_index(i)
+        i = codec.check_layer_index(i)
         out: list = [None] * len(keys)
         reasons: list[set[str]] = [set() for _ in keys]
         todo = list(range(len(keys)))
@@ -200,25 +198,18 @@ class TieredStore(KVStore):
         return out
 
     def get_encoded(self, key: str) -> EncodedEntry | None:
-        for j, t in enumerate(self.tiers):
-            enc = t.get_encoded(key)
-            if enc is not None:
-                self._count("hits")
-                self._promote(key, enc, j)
-                return enc
-        self._count("misses")
-        return None
+        j, enc = self._first(lambda t: t.get_encoded(key))
+        if enc is not None:
+            self._promote(key, enc, j)
+        return enc
 
     def _get_stored(self, key: str) -> tuple[EntryMeta, list[StoredLayer]] | None:
-        for j, t in enumerate(self.tiers):
-            r = t._get_full(key)
-            if r is not None:
-                header, layout, blobs, stored = r
-                self._count("hits")
-                self._promote(key, EncodedEntry(header, blobs), j)
-                return layout.meta, stored
-        self._count("misses")
-        return None
+        j, r = self._first(lambda t: t._get_full(key))
+        if r is None:
+            return None
+        header, layout, blobs, stored = r
+        self._promote(key, EncodedEntry(header, blobs), j)
+        return layout.meta, stored
 
     def get(self, key: str) -> ChunkKV | None:
         r = self._get_stored(key)
@@ -248,7 +239,7 @@ class TieredStore(KVStore):
     def _promote(self, key: str, enc: EncodedEntry, found_at: int) -> None:
         if found_at == 0:
             return
-        decode_header(enc.header, key)
+        codec.decode_header(enc.header, key)
         for t in self.tiers[:found_at]:
             try:
                 if t.put_encoded(key, enc):  # copies: the caller's tensors share enc's buffers

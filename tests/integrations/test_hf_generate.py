@@ -9,7 +9,7 @@ import pytest
 import torch
 from integration_data import CONTEXTS, QUESTION
 
-from ragkv.adapter import pad_token_id
+from ragkv.decode import pad_token_id
 
 pytestmark = pytest.mark.slow
 NEW = 4

@@ -27,8 +27,8 @@ def vllm_env(tmp_path_factory):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm_data import DTYPE
 
+    from ragkv.gguf import convert_smollm2
     from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
-    from ragkv.models import convert_smollm2
 
     store = f"disk://{tmp_path_factory.mktemp('vllm-store')}"
     llm = LLM(model=str(convert_smollm2()), dtype=DTYPE, enforce_eager=True, enable_prefix_caching=False,

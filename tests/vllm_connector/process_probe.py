@@ -44,8 +44,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm_data import DOCS
 
+    from ragkv.gguf import convert_smollm2
     from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
-    from ragkv.models import convert_smollm2, load_tokenizer
+    from ragkv.models import load_tokenizer
     from ragkv.prompt import PromptTemplate
 
     kw = {"kv_transfer_config": kv_transfer_config(f"disk://{store}", 0.15)} if mode == "ragkv" else {}

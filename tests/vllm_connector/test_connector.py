@@ -51,8 +51,8 @@ def test_ratio_1_matches_vllms_own_prefill_then_015_answers_from_stored_chunks(v
 
 def test_chunks_precomputed_with_transformers_are_hits(vllm_env):
     """A store `ragkv precompute` filled (transformers model, another process) serves vLLM: same keys."""
+    from ragkv.gguf import convert_smollm2
     from ragkv.integrations.vllm.precompute import precompute
-    from ragkv.models import convert_smollm2
 
     llm, engine = vllm_env
     docs = [DOCS[3], DOCS[0]]

@@ -1,0 +1,3 @@
+from ragkv.cli import main
+
+main()
