@@ -1,10 +1,11 @@
 """Fidelity and TTFT of token-selection strategies against HF full prefill in the same dtype, on the
 benchmark set of 4 genres (corpus.py; sources and build in data/README.md).
 
-    python benchmarks/blend/bench_blend.py --split test --dtype bfloat16 \\
-        --methods deviation,query,hybrid,oracle-kv,oracle-mix --ratios 0.05,0.1,0.15,0.3 \\
-        --out benchmarks/blend/results/test-bf16.json
-    python benchmarks/blend/report.py benchmarks/blend/results/*.json     # tables + Pareto plots
+    python benchmarks/blend/bench_blend.py --split test --per-genre 5 --dtype float32 \\
+        --methods deviation,starts,query --ratios 0,0.05,0.1,0.15 --out benchmarks/blend/results/test-fp32.json
+
+writes the JSON and, at the end, its tables and Pareto plot beside it (report.py; ``report.py *.json``
+redraws them).
 
 First the chunks of the selected prompts are precomputed into a disk store (``ragkv precompute`` of
 the split's whole corpus with ``keys=`` those chunks: neighbours under ``--context`` still come from
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import corpus
 import oracle
+import report as report_mod
 
 from ragkv import models
 from ragkv.blend import SELECTORS, BlendConfig, BlendEngine
@@ -172,6 +174,7 @@ def main() -> None:
         best = max(row["methods"].items(), key=lambda kv: kv[1]["fidelity"])
         print(f"[{i + 1}/{len(prompts)}] {p['id']} {row['tokens']} tok, full {row['full_ttft']:.2f} s, "
               f"best {best[0]} {best[1]['fidelity']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    report_mod.write(out, out.parent)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,21 @@ the engine, recomputing the top ``ratio`` of chunk tokens in every layer as the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from ragkv.blend import BlendConfig, BlendEngine, QuerySelector
-from ragkv.blend.select import Schedule, SelectionRequest, Selector, _ranks
+from ragkv.blend.select import Schedule, SelectionRequest, Selector
 from ragkv.store import open_store
 
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Rank of each value, 0 = smallest (ties by position)."""
+    out = torch.empty_like(x, dtype=torch.float32)
+    out[torch.argsort(x)] = torch.arange(x.numel(), dtype=torch.float32, device=x.device)
+    return out
 
 @dataclass(frozen=True)
 class FixedSelector(Selector):
@@ -66,15 +72,15 @@ def exact_attention(engine: BlendEngine, prompt) -> torch.Tensor:
     are stored exactly (sliced out of a full prefill) in a private memory store, then probed."""
     a = engine.adapter
     store = open_store("memory://?max_bytes=4G")
-    probe = BlendEngine(engine.model, engine.tokenizer, store, BlendConfig(selector=QuerySelector.attention_only()),
+    probe = BlendEngine(engine.model, engine.tokenizer, store, BlendConfig(selector=QuerySelector(rows=None, offset_decay=0.0)),
                         template=engine.template, policy=engine.prefiller.policy, namespace="oracle")
     _, exact = a.forward(torch.tensor([prompt.input_ids], device=a.device))
-    pieces = [(probe.keys.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix-v1")]
-    pieces += [(probe.keys.chunk_key(c), c, s, probe.keys.policy_id) for c, s in zip(prompt.chunk_ids, prompt.chunk_starts())]
-    for key, ids, start, policy in pieces:
+    pieces = [(probe.keys.prefix_key(prompt.prefix_ids), prompt.prefix_ids, 0, "prefix")]
+    pieces += [(probe.keys.chunk_key(c), c, s, "chunk") for c, s in zip(prompt.chunk_ids, prompt.chunk_positions())]
+    for key, ids, start, kind in pieces:
         layers = [(lay.keys[0, :, start : start + len(ids)].clone(), lay.values[0, :, start : start + len(ids)].clone())
                   for lay in exact.layers]
-        store.put(probe.entry_meta(key, ids, start, policy), layers)
+        store.put(replace(probe.keys.meta(key, ids, kind), start_pos=start), layers)
     scores = {}
     sel = probe.config.selector
 

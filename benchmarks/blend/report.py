@@ -104,20 +104,24 @@ def plot(name: str, rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def write(result: Path, out: Path) -> None:
+    """tables-<name>.md, summary-<name>.json and pareto-<name>.png of one bench_blend.py result."""
+    rep = json.loads(result.read_text())
+    rows, name = rep["prompts"], result.stem
+    s = summarize(rows)
+    (out / f"tables-{name}.md").write_text(table(name, rep["meta"], rows, s))
+    (out / f"summary-{name}.json").write_text(json.dumps(s, indent=1))
+    plot(name, rows, out / f"pareto-{name}.png")
+    print(f"{name}: {len(rows)} prompts -> tables-{name}.md, pareto-{name}.png")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+")
     ap.add_argument("--out", default="benchmarks/blend/results")
     args = ap.parse_args()
-    out = Path(args.out)
     for f in map(Path, args.results):
-        rep = json.loads(f.read_text())
-        rows, name = rep["prompts"], f.stem
-        s = summarize(rows)
-        (out / f"tables-{name}.md").write_text(table(name, rep["meta"], rows, s))
-        (out / f"summary-{name}.json").write_text(json.dumps(s, indent=1))
-        plot(name, rows, out / f"pareto-{name}.png")
-        print(f"{name}: {len(rows)} prompts -> tables-{name}.md, pareto-{name}.png")
+        write(f, Path(args.out))
 
 
 if __name__ == "__main__":
