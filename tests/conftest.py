@@ -60,6 +60,34 @@ def tiny_smollm2_dir(tiny_smollm2, tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="session")
+def chatml_tokenizer():
+    """A small byte-level BPE trained here with Qwen2's pre-tokenizer and a ChatML template (default
+    system prompt): like Qwen2.5's, it merges punctuation with the newlines after it (".\n\n" is one
+    token). For tests of prompt layouts on Qwen-style tokenizers without the real model."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+             r"\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2's tokenizer.json
+    tk = Tokenizer(BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    text = ("The lighthouse at Kerran Point was built in 1871 by the engineer Ada Morrow.\n\nIts lamp was "
+            "converted to electricity in 1932; ferries leave twice a day!\n\nWho built it? Where?\n\n")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator([text] * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = (
+        "{% if messages[0].role != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
 @pytest.fixture(params=["llama", "mistral", "qwen2"])
 def tiny(request):
     return models.tiny_model(request.param)

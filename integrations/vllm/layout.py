@@ -5,8 +5,10 @@
 The template fixes the prefix (system + user-turn header), the head of the question
 (``question_format`` up to ``{question}``) and the tail (end of the user turn + assistant header),
 and every chunk is ``tokenize(text.strip() + separator)``. So the prefix and the suffix are found by
-their ids, and a chunk can only end right after the separator's ids. No marker string is added to the
-prompt: the separator is the template's own paragraph break, which a chunk may also contain inside.
+their ids, and a chunk can only end right after the separator's ids, or after a token whose text ends
+with the separator (tokenizers such as Qwen2's merge punctuation with the newlines after it: a
+chunk ending in "." ends with the one token ".\n\n"). No marker string is added to the prompt: the
+separator is the template's own paragraph break, which a chunk may also contain inside.
 
 Which of those candidate boundaries are real chunk boundaries is read from the store: the split that
 covers the most tokens with stored entries wins (fewest segments on ties); text not covered by a
@@ -45,6 +47,7 @@ class PromptLayout:
     template: PromptTemplate
     head_ids: tuple[int, ...]  # the question format's ids before the question
     sep_ids: tuple[int, ...]  # the separator's ids at the end of every chunk
+    sep_end_ids: frozenset[int] = frozenset()  # single tokens whose text ends with the separator
 
     @classmethod
     def for_template(cls, template: PromptTemplate) -> PromptLayout:
@@ -56,7 +59,15 @@ class PromptLayout:
         if not head or with_sep[:len(plain)] != plain or len(with_sep) == len(plain):
             raise ValueError("this tokenizer merges the template's question head or separator with its "
                              "neighbours; chunk boundaries cannot be recognised from token ids")
-        return cls(template, tuple(head), tuple(with_sep[len(plain):]))
+        texts = tok.batch_decode([[i] for i in range(len(tok))])  # once per tokenizer (~1 s at 150k ids)
+        ends = frozenset(i for i, text in enumerate(texts) if text.endswith(template.separator))
+        return cls(template, tuple(head), tuple(with_sep[len(plain):]), ends)
+
+    def ends_chunk(self, ids: Sequence[int], j: int) -> bool:
+        """Whether a chunk can end right before position ``j``: after the separator's ids, or after
+        one token whose text ends with the separator."""
+        n = len(self.sep_ids)
+        return j > 0 and (ids[j - 1] in self.sep_end_ids or (j >= n and list(ids[j - n:j]) == list(self.sep_ids)))
 
     def regions(self, ids: Sequence[int]) -> tuple[int, int] | None:
         """(start, end) of the chunk region of ``ids``, or None when ``ids`` is not this template's
@@ -66,15 +77,14 @@ class PromptLayout:
         if list(ids[:p]) != list(t.prefix_ids) or (tail and list(ids[len(ids) - len(tail):]) != tail):
             return None
         s = _find_last(ids, self.head_ids, p)
-        if s <= p or list(ids[s - len(self.sep_ids):s]) != list(self.sep_ids):
+        if s <= p or not self.ends_chunk(ids, s):
             return None
         return p, s
 
     def boundaries(self, ids: Sequence[int], start: int, end: int) -> list[int]:
         """Candidate chunk ends in ids[start:end]: right after each separator (and ``end``)."""
-        n, sep = len(self.sep_ids), list(self.sep_ids)
-        cuts = [i + n for i in range(start, end - n + 1) if list(ids[i:i + n]) == sep]
-        return [start, *[c for c in cuts if start < c < end], end]
+        region = list(ids[start:end])  # a separator before ``start`` ends no chunk of the region
+        return [start, *[start + j for j in range(1, end - start) if self.ends_chunk(region, j)], end]
 
     def parse(self, ids: Sequence[int], stored: Callable[[list[int]], bool],
               max_chunk_tokens: int | None = None) -> tuple[Prompt, list[bool]] | None:

@@ -65,3 +65,39 @@ def test_other_prompts_are_not_recognised(layout, smollm2_template, smollm2_toke
 def test_a_paragraph_longer_than_the_limit_is_not_recognised(layout, smollm2_template):
     prompt = smollm2_template.build("Who built it?", CONTEXTS)
     assert layout.parse(prompt.input_ids, lambda ids: False, max_chunk_tokens=5) is None
+
+
+# ----------------------------------------------------------------------------- Qwen-style tokenizers
+# Qwen2's pre-tokenizer keeps punctuation and the newlines after it together: a chunk ending in "."
+# ends with the single token ".\n\n", not with the separator's own id.
+
+
+def _recovered(template, contexts):
+    layout = PromptLayout.for_template(template)
+    prompt = template.build("Who built the lighthouse?", contexts)
+    stored = {tuple(c) for c in prompt.chunk_ids}
+    got = layout.parse(prompt.input_ids, lambda ids: tuple(ids) in stored)
+    return prompt, got
+
+
+def test_chunks_ending_in_a_merged_separator_token_are_recovered(chatml_tokenizer):
+    from ragkv.prompt import PromptTemplate
+
+    tok = chatml_tokenizer
+    template = PromptTemplate.for_tokenizer(tok)
+    prompt, got = _recovered(template, CONTEXTS)
+    ends = [tok.convert_ids_to_tokens(c[-1]) for c in prompt.chunk_ids]
+    assert ends == [".ĊĊ"] * 3  # (the premise: no chunk ends with the separator's own id)
+    assert got is not None, "a Qwen-style prompt was not recognised"
+    parsed, flags = got
+    assert parsed == prompt and flags == [True, True, True]
+    # nothing stored: the merged paragraph break inside the first chunk is a candidate end too, and a
+    # write-back of that split is found again by the same rule
+    layout = PromptLayout.for_template(template)
+    parsed, flags = layout.parse(prompt.input_ids, lambda ids: False)
+    assert parsed.chunk_ids[2:] == prompt.chunk_ids[1:] and len(parsed.chunk_ids) == 4 and flags == [False] * 4
+    assert parsed.chunk_ids[0] + parsed.chunk_ids[1] == prompt.chunk_ids[0]
+    written = {tuple(c) for c in parsed.chunk_ids}
+    again, flags = layout.parse(prompt.input_ids, lambda ids: tuple(ids) in written)
+    assert again == parsed and flags == [True] * 4
+
