@@ -79,7 +79,8 @@ class Plan:
         return (self.length - 1) // block_size * block_size
 
     def summary(self) -> dict:
-        out = {"recognised": self.recognised, "reason": self.reason, "chunks": len(self.chunk_lens),
+        reason = self.reason or ("vLLM's prefix cache held the range" if self.offer and self.load is None else "")
+        out = {"recognised": self.recognised, "reason": reason, "chunks": len(self.chunk_lens),
                "hits": sum(self.stored), "misses": len(self.stored) - sum(self.stored),
                "offered": self.load is not None, "vllm_cached": self.vllm_cached}
         if self.load is not None:

@@ -65,6 +65,7 @@ def test_ratio_1_matches_vllms_own_prefill_then_015_answers_from_stored_chunks(v
     # prompt (its own K/V): the connector offers nothing
     _, _, info = generate(llm, ids)
     assert info["hits"] == 3 and info["vllm_cached"] == offered_end(ids) and not info["offered"]
+    assert info["reason"] == "vLLM's prefix cache held the range"
     llm.reset_prefix_cache()
     # ratio 1 recomputes every chunk token
     full, full_text, info = generate(llm, ids, ratio=1.0)
