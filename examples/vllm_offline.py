@@ -49,7 +49,7 @@ def main() -> None:
     [ids] = precompute(model_dir, DTYPE, args.store, [(QUESTION, DOCS)])  # keys depend on the dtype: vLLM's
     print(f"precomputed the {len(DOCS)} chunks into {args.store}")
 
-    llm = LLM(model=model_dir, dtype=DTYPE, enforce_eager=True, enable_prefix_caching=False,
+    llm = LLM(model=model_dir, dtype=DTYPE, enforce_eager=True,  # prefix caching, chunked prefill: vLLM's defaults
               max_model_len=4096, block_size=32,
               gpu_memory_utilization=CPU_MEMORY_UTILIZATION, kv_transfer_config=kv_transfer_config(args.store, ratio))
     t0 = time.perf_counter()

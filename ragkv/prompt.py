@@ -11,6 +11,7 @@ key) do not depend on its neighbours. Full prefill baselines use the same concat
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 _SENTINEL = "\x00RAGKV-CONTENT\x00"
@@ -94,6 +95,24 @@ class PromptTemplate:
         q = self.question_format.format(question=question.strip())
         return self.tokenizer(q, add_special_tokens=False)["input_ids"] + list(self.tail_ids)
 
+    def chat(self, messages: list[dict], contexts, max_tokens: int | None = None,
+             names: list[str] | None = None) -> Prompt:
+        """The prompt of a chat over ``contexts`` (the layout ``ragkv serve`` and ragkv's vLLM renderer
+        give a request's ``documents``): the chat template up to the last message's content as the
+        prefix (system, earlier turns, user header), one chunk per context, the question format
+        around the last message (the user's question) and the rest of the template as the suffix.
+        A single user message gives ``build(question, contexts)``'s ids. Raises ChatTemplateError
+        when the template has no single place for the question, ValueError for a bad context."""
+        if not messages or messages[-1].get("role") != "user" or not isinstance(messages[-1].get("content"), str):
+            raise ValueError("with documents the last message must be the user's question (a string)")
+        head, tail = around_last_user(self.tokenizer, messages[:-1])
+        q = self.question_format.format(question=messages[-1]["content"].strip())
+        suffix = self._ids(q) + self._ids(tail)
+        return Prompt(self._ids(head), self.chunks(contexts, max_tokens, names), suffix)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
     def chunks(self, contexts, max_tokens: int | None = None, names: list[str] | None = None) -> list[list[int]]:
         """Token ids of each context, each checked: a list of non-empty strings, none longer than
         ``max_tokens``. Errors name the context (``names[i]``, default "context i")."""
@@ -123,6 +142,34 @@ class PromptTemplate:
         check_window(prompt.num_tokens, max_tokens, "the prompt", f"its longest context, "
                      f"{_describe(f'context {worst}', contexts[worst])}, has {lens[worst]}: pass fewer or shorter contexts")
         return prompt
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template cannot hold documents (it drops or repeats the user's content)."""
+
+
+def chat_text(tokenizer, messages: list[dict]) -> str:
+    """The chat template over ``messages`` with the assistant header; a plain layout without one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def around_last_user(tokenizer, history: list[dict]) -> tuple[str, str]:
+    """The chat template's text before and after the content of a user turn that follows
+    ``history``. The content is a marker drawn at random per call and checked to occur nowhere else
+    in the rendered text, so no message (whatever it holds) can move where the split falls."""
+    for _ in range(8):
+        mark = f"\x00RAGKV-QUESTION-{secrets.token_hex(16)}\x00"
+        text = chat_text(tokenizer, [*history, {"role": "user", "content": mark}])
+        n = text.count(mark)
+        if n == 1:
+            head, _, tail = text.partition(mark)
+            return head, tail
+        if n == 0:
+            raise ChatTemplateError("the model's chat template drops the user content")
+    # a template that repeats the last user content: no single place for the documents
+    raise ChatTemplateError("the model's chat template repeats the user content")
 
 
 def _short(value) -> str:

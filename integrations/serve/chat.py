@@ -15,26 +15,18 @@ so a document's chunk key does not depend on the conversation around it, and doc
 
 from __future__ import annotations
 
-import secrets
 import time
 
 import torch
 
 from ragkv.decode import Sampler, stop_ids
-from ragkv.prompt import Prompt, check_window
+from ragkv.prompt import ChatTemplateError, Prompt, chat_text, check_window
 
 from .protocol import ApiError, ChatRequest, bad
 
 
 def _window_error(message: str, param: str) -> ApiError:
     return ApiError(400, message, param, "context_length_exceeded")
-
-
-def chat_text(tokenizer, messages: list[dict]) -> str:
-    """The chat template over ``messages`` with the assistant header; a plain layout without one."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def build_prompt(engine, req: ChatRequest) -> Prompt | list[int]:
@@ -51,17 +43,14 @@ def build_prompt(engine, req: ChatRequest) -> Prompt | list[int]:
             prompt = [tok.bos_token_id, *prompt]
         _fits(len(prompt), window, "the messages (and the first answer token)", "messages")
         return prompt
-    history, question = req.messages[:-1], req.messages[-1]["content"]
-    head, tail = _around_question(tok, history)
     names = [f"documents[{i}]" for i in range(len(req.documents))]
-    texts = [d.chunk_text() for d in req.documents]
     try:
-        chunks = engine.template.chunks(texts, window, names=names)
+        prompt = engine.template.chat(req.messages, [d.chunk_text() for d in req.documents], window, names)
+    except ChatTemplateError as e:
+        raise ApiError(500, str(e), type_="server_error") from None
     except ValueError as e:
         raise _window_error(str(e), "documents") from None
-    suffix = ids(engine.template.question_format.format(question=question.strip())) + ids(tail)
-    prompt = Prompt(ids(head), chunks, suffix)
-    lens = [len(c) for c in chunks]
+    lens = [len(c) for c in prompt.chunk_ids]
     worst = max(range(len(lens)), key=lens.__getitem__)
     _fits(prompt.num_tokens, window, "the prompt (and the first answer token)", "documents",
           f"the longest document, {names[worst]}, has {lens[worst]}: send fewer or shorter documents")
@@ -74,23 +63,6 @@ def _fits(tokens: int, window: int | None, what: str, param: str, hint: str = ""
         check_window(tokens + 1, window, what, hint)
     except ValueError as e:
         raise _window_error(str(e), param) from None
-
-
-def _around_question(tok, history: list[dict]) -> tuple[str, str]:
-    """The chat template's text before and after the last user turn's content. The content is
-    replaced by a marker drawn at random for this request and checked to occur nowhere else in the
-    rendered text, so no message (whatever it holds) can move where the split falls."""
-    for _ in range(8):
-        mark = f"\x00RAGKV-QUESTION-{secrets.token_hex(16)}\x00"
-        text = chat_text(tok, [*history, {"role": "user", "content": mark}])
-        n = text.count(mark)
-        if n == 1:
-            head, _, tail = text.partition(mark)
-            return head, tail
-        if n == 0:
-            raise ApiError(500, "the model's chat template drops the user content", type_="server_error")
-    # a template that repeats the last user content: no single place for the documents
-    raise ApiError(500, "the model's chat template repeats the user content", type_="server_error")
 
 
 class Generation:

@@ -6,6 +6,9 @@
     PromptLayout     recognises a PromptTemplate prompt from its token ids (no vLLM needed)
     plugin.register  the vllm.general_plugins entry point: blend-aware subclasses of vLLM's Llama,
                      Qwen2 and Mistral classes, so the blend runs on vLLM's own model (layers.py)
+    DocumentsMiddleware  `vllm serve --middleware ragkv.integrations.vllm.DocumentsMiddleware`: chat
+                     ``documents`` as strings (vLLM's API types them as objects); with the plugin's
+                     renderer (chat.py), a chat request's documents are ragkv chunks
     kv_transfer_config(store, ratio)   that dict, for LLM(...) or `--kv-transfer-config`
     CPU_MEMORY_UTILIZATION             gpu_memory_utilization for vLLM on CPU
 
@@ -14,7 +17,7 @@ Needs vLLM (``pip install ragkv[vllm]``); the layout works without it. See READM
 
 from ragkv.integrations.vllm.layout import PromptLayout
 
-__all__ = ["CPU_MEMORY_UTILIZATION", "PromptLayout", "RagKVConnector", "kv_transfer_config"]
+__all__ = ["CPU_MEMORY_UTILIZATION", "DocumentsMiddleware", "PromptLayout", "RagKVConnector", "kv_transfer_config"]
 
 # On CPU, vLLM's gpu_memory_utilization is the share of one NUMA node's RAM it reserves; its 0.92
 # default refuses to start when that node is partly in use (README.md beside this file).
@@ -34,4 +37,8 @@ def __getattr__(name):
         from ragkv.integrations.vllm.connector import RagKVConnector
 
         return RagKVConnector
+    if name == "DocumentsMiddleware":
+        from ragkv.integrations.vllm.chat import DocumentsMiddleware
+
+        return DocumentsMiddleware
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

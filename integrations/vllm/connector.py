@@ -1,25 +1,33 @@
 """RagKVConnector: vLLM serves prompts built by ragkv's PromptTemplate from blended chunk K/V.
 
-    LLM(model=DIR, dtype="bfloat16", enable_prefix_caching=False, kv_transfer_config={
+    LLM(model=DIR, dtype="float32", kv_transfer_config={
         "kv_connector": "RagKVConnector", "kv_connector_module_path": "ragkv.integrations.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": "disk:///var/cache/ragkv", "ratio": 0.15}})
 
-Only vLLM's public v1 KV-connector API (``KVConnectorBase_V1``) is used; vLLM is not patched.
+Only vLLM's public v1 KV-connector API (``KVConnectorBase_V1``) is used; vLLM is not patched. vLLM's
+defaults stay on: prefix caching and chunked prefill.
 
 Scheduler side: ``get_num_new_matched_tokens`` recognises the prompt from its ids (``PromptLayout``)
-and offers its K/V (all but the last token, block-aligned) when the store holds its chunks (at least
-``min_hit_fraction`` of their tokens); otherwise 0, vLLM prefills as usual, and the worker writes the
-prompt's missing chunks back so the next prompt over them hits.
+and, when the store holds its chunks (at least ``min_hit_fraction`` of their tokens), offers the
+K/V vLLM's prefix cache lacks: from what vLLM holds (``num_computed_tokens``, e.g. a shared system
+prompt) to the prompt's last full block before its last token; otherwise 0, vLLM prefills as usual,
+and the worker writes the prompt's missing chunks back so the next prompt over them hits. Blended
+blocks are kept out of vLLM's prefix cache (``prefix_cache.BlendedBlocks``), so vLLM never serves
+them as its own K/V. What vLLM computes after the blend (the last partial block, the question) is
+scheduled like any prefill, over several steps when it exceeds the chunked-prefill budget.
 Worker side: ``start_load_kv`` blends each offered prompt with ragkv's engine (stored chunks fused +
-selective recompute + suffix, ragkv.blend) and writes the K/V into vLLM's paged cache layer by
-layer, through each attention layer's own ``impl.do_kv_cache_update`` with the slots of the
-request's blocks. A blend that fails reports its blocks through ``get_block_ids_with_load_errors``,
-so vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+selective recompute + suffix, ragkv.blend) and writes the offered range of every layer's K/V into
+vLLM's paged cache, through each attention layer's own ``impl.do_kv_cache_update`` with the slots of
+the request's blocks. A blend that fails reports its blocks through
+``get_block_ids_with_load_errors``, so vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` may carry ``ragkv_ratio``
-(this request's ratio) or ``ragkv_skip: True`` (vLLM's own prefill, e.g. a baseline);
-``RequestOutput.kv_transfer_params["ragkv"]`` says what happened (chunks, hits, offered
-tokens, and the worker's blend stats when they arrived before the request finished).
+(this request's ratio), ``ragkv_skip: True`` (vLLM's own prefill, e.g. a baseline) or
+``ragkv_prompt_tokens: n`` (the first n ids are the ragkv prompt, the rest a continuation vLLM
+computes on top of the blend, e.g. a teacher-forced answer); ``RequestOutput.kv_transfer_params["ragkv"]``
+says what happened (chunks, hits, ``vllm_cached``: the tokens vLLM's prefix cache held, ``written``:
+the range the connector wrote, and the worker's blend stats when they arrived before the request
+finished).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from ragkv.blend import check_ratio
 from ragkv.integrations.vllm.engines import ConnectorSettings, scheduler_keys, worker_engine
 from ragkv.integrations.vllm.layout import PromptLayout
 from ragkv.integrations.vllm.models import blend_model
+from ragkv.integrations.vllm.prefix_cache import BlendedBlocks
 from ragkv.integrations.vllm.writer import blend_and_write, write_back
 from ragkv.store.errors import StoreError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -59,12 +68,24 @@ class Plan:
     prefix_len: int = 0
     chunk_lens: list[int] = field(default_factory=list)
     stored: list[bool] = field(default_factory=list)
-    offer: bool = False
+    offer: bool = False  # the store holds its chunks: the connector offers what vLLM's cache lacks
     ratio: float | str | None = None
+    length: int = 0  # tokens of the ragkv prompt (the request's own, or kv_transfer_params' ragkv_prompt_tokens)
+    vllm_cached: int = 0  # tokens vLLM's prefix cache held (block-aligned), as the scheduler last reported
+    load: tuple[int, int] | None = None  # the prompt range [start, end) the connector writes
+
+    def end(self, block_size: int) -> int:
+        """The offered range's end: all of the ragkv prompt but its last token, block-aligned."""
+        return (self.length - 1) // block_size * block_size
 
     def summary(self) -> dict:
-        return {"recognised": self.recognised, "reason": self.reason, "chunks": len(self.chunk_lens),
-                "hits": sum(self.stored), "misses": len(self.stored) - sum(self.stored), "offered": self.offer}
+        reason = self.reason or ("vLLM's prefix cache held the range" if self.offer and self.load is None else "")
+        out = {"recognised": self.recognised, "reason": reason, "chunks": len(self.chunk_lens),
+               "hits": sum(self.stored), "misses": len(self.stored) - sum(self.stored),
+               "offered": self.load is not None, "vllm_cached": self.vllm_cached}
+        if self.load is not None:
+            out["written"] = list(self.load)
+        return out
 
 
 @dataclass
@@ -109,6 +130,18 @@ def request_ratio(request) -> float | str | None:
     return None if ratio is None else check_ratio(ratio, "kv_transfer_params['ragkv_ratio']")
 
 
+def prompt_tokens(params: dict, n: int) -> int:
+    """How many of a request's ``n`` prompt tokens are the ragkv prompt: all, or
+    ``kv_transfer_params["ragkv_prompt_tokens"]`` (the rest is a continuation vLLM computes on top of
+    the blend, e.g. a teacher-forced answer)."""
+    k = params.get("ragkv_prompt_tokens")
+    if k is None:
+        return n
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"kv_transfer_params['ragkv_prompt_tokens'] must be an integer in [1, {n}], got {k!r}")
+    return k
+
+
 class RagKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -122,7 +155,7 @@ class RagKVConnector(KVConnectorBase_V1):
             self.engine = worker_engine(blend_model(vllm_config), vllm_config, self.settings)
         # scheduler side
         self._plans: dict[str, Plan] = {}
-        self._need_load: dict[str, tuple[int, int]] = {}
+        self.guard = BlendedBlocks(block_size=self._block_size)  # keeps blended K/V out of vLLM's prefix cache
         self._issued: set[str] = set()  # requests whose K/V were handed to a worker
         self._worker_stats: dict[str, dict] = {}
         # worker side
@@ -131,6 +164,10 @@ class RagKVConnector(KVConnectorBase_V1):
 
     def stats(self) -> dict:
         return dict(self.totals)
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.guard.bind(kv_cache_manager)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -145,11 +182,11 @@ class RagKVConnector(KVConnectorBase_V1):
         """How the connector reads a prompt (no side effects but store lookups)."""
         parsed = self.layout.parse(token_ids, self._stored, self.lookup.max_positions)
         if parsed is None:
-            return Plan(False, "not a prompt of ragkv's template")
+            return Plan(False, "not a prompt of ragkv's template", length=len(token_ids))
         prompt, stored = parsed
         lens = [len(c) for c in prompt.chunk_ids]
         hit = sum(n for n, s in zip(lens, stored) if s)
-        plan = Plan(True, "", len(prompt.prefix_ids), lens, stored)
+        plan = Plan(True, "", len(prompt.prefix_ids), lens, stored, length=len(token_ids))
         if len(token_ids) - 1 < self._block_size:
             plan.reason = f"prompt shorter than one block ({self._block_size} tokens)"
         elif hit == 0 or hit < self.settings.min_hit_fraction * sum(lens):
@@ -158,46 +195,61 @@ class RagKVConnector(KVConnectorBase_V1):
             plan.offer = True
         return plan
 
+    def _plan_request(self, request) -> Plan:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        ids = list(request.prompt_token_ids or [])
+        if params.get("ragkv_skip"):
+            return Plan(False, "the request asked for vLLM's own prefill (ragkv_skip)", length=len(ids))
+        n = prompt_tokens(params, len(ids))
+        plan = self.plan(ids[:n])
+        plan.ratio = request_ratio(request)
+        return plan
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """``num_computed_tokens``: what vLLM's own prefix cache holds of the prompt (block-aligned).
+        The connector offers the rest of the ragkv prompt up to its last full block, never a token
+        vLLM already has."""
         rid = request.request_id
         if rid not in self._plans:
             try:  # never fail the scheduler: a prompt the connector cannot read is vLLM's to prefill
-                if (getattr(request, "kv_transfer_params", None) or {}).get("ragkv_skip"):
-                    plan = Plan(False, "the request asked for vLLM's own prefill (ragkv_skip)")
-                else:
-                    plan = self.plan(list(request.prompt_token_ids or []))
-                    plan.ratio = request_ratio(request)
+                plan = self._plan_request(request)
             except Exception as e:
                 log.warning("request %s is prefilled by vLLM: %s", rid, e)
                 plan = Plan(False, f"{type(e).__name__}: {e}")
             self._plans[rid] = plan
             self.totals["requests"] += 1
-            self.totals["recognised"] += self._plans[rid].recognised
-        if not self._plans[rid].offer or rid in self._issued:
+            self.totals["recognised"] += plan.recognised
+        plan = self._plans[rid]
+        plan.vllm_cached = num_computed_tokens
+        if not plan.offer or rid in self._issued:
             return 0, False  # a request resumed after preemption is recomputed by vLLM
-        end = (len(request.prompt_token_ids) - 1) // self._block_size * self._block_size
-        return max(0, end - num_computed_tokens), False
+        return max(0, plan.end(self._block_size) - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens > 0:
-            end = (len(request.prompt_token_ids) - 1) // self._block_size * self._block_size
-            self._need_load[request.request_id] = (end - num_external_tokens, end)
+            plan = self._plans[request.request_id]
+            end = plan.end(self._block_size)
+            plan.load = (end - num_external_tokens, end)
+            self.guard.watch(request.request_id, plan.load[0])
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = RagKVMetadata()
         for req in scheduler_output.scheduled_new_reqs:
             plan = self._plans.get(req.req_id)
-            ids = list(req.prompt_token_ids or [])
-            if req.req_id in self._need_load:
-                start, end = self._need_load.pop(req.req_id)
+            if plan is None:
+                continue
+            ids = list(req.prompt_token_ids or [])[:plan.length]
+            if plan.load is not None and req.req_id not in self._issued:
+                start, end = plan.load
                 self._issued.add(req.req_id)
                 meta.loads.append(LoadJob(req.req_id, ids, plan.prefix_len, plan.chunk_lens, start, end,
                                           list(req.block_ids[0]), plan.ratio))
                 self.totals["offered"] += 1
                 self.totals["offered_tokens"] += end - start
-            elif plan is not None and plan.recognised and self.settings.write_back and not all(plan.stored):
+            elif plan.recognised and self.settings.write_back and not all(plan.stored):
                 meta.write_backs.append(WriteBackJob(req.req_id, ids, plan.prefix_len, plan.chunk_lens,
                                                      plan.stored))
+        self.guard.step()
         return meta
 
     def update_connector_output(self, connector_output):
@@ -214,7 +266,7 @@ class RagKVConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         plan = self._plans.pop(rid, None)
-        self._need_load.pop(rid, None)
+        self.guard.finish(rid)
         self._issued.discard(rid)
         if plan is None:
             return False, None

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ragkv.adapter import UnsupportedModelError
+from ragkv.prompt import check_window
 
 TESTED_VLLM = ("0.32.",)  # the vLLM releases whose model code this module repeats
 
@@ -162,8 +163,7 @@ class VllmLayers:
     # ------------------------------------------------------------------ the blend's layer calls
 
     def check_length(self, total_tokens: int) -> None:
-        if self.max_positions is not None and total_tokens > self.max_positions:
-            raise ValueError(f"prompt of {total_tokens} tokens exceeds the model's context ({self.max_positions} tokens)")
+        check_window(total_tokens, self.max_positions, "the prompt")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[1, n] token ids -> the pair [2, n, hidden] (embeddings, a zero residual)."""

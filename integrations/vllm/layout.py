@@ -2,7 +2,8 @@
 
     ids = prefix | chunk_1 .. chunk_n | suffix          (ragkv.prompt)
 
-The template fixes the prefix (system + user-turn header), the head of the question
+The template fixes the end of the prefix (the user-turn header: whatever system prompt and earlier
+turns precede it, as ``PromptTemplate.chat`` lays out a chat with documents), the head of the question
 (``question_format`` up to ``{question}``) and the tail (end of the user turn + assistant header),
 and every chunk is ``tokenize(text.strip() + separator)``. So the prefix and the suffix are found by
 their ids, and a chunk can only end right after the separator's ids, or after a token whose text ends
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ragkv.prompt import Prompt, PromptTemplate
+from ragkv.prompt import Prompt, PromptTemplate, around_last_user
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> list[int]:
@@ -40,6 +41,17 @@ def _find_last(seq: Sequence[int], sub: Sequence[int], start: int) -> int:
     return -1
 
 
+def _user_head(template: PromptTemplate) -> tuple[int, ...]:
+    """The ids every user turn's content follows (the common end of the template's text before it
+    with and without a system message), or () for a tokenizer without a chat template."""
+    tok = template.tokenizer
+    if not getattr(tok, "chat_template", None):
+        return ()
+    heads = [tok(around_last_user(tok, history)[0], add_special_tokens=False)["input_ids"][::-1]
+             for history in ([], [{"role": "system", "content": "Zebra 42."}])]
+    return tuple(_common_prefix(*heads)[::-1])
+
+
 @dataclass(frozen=True)
 class PromptLayout:
     """The ids a template puts around and between chunks, found once per tokenizer."""
@@ -48,6 +60,7 @@ class PromptLayout:
     head_ids: tuple[int, ...]  # the question format's ids before the question
     sep_ids: tuple[int, ...]  # the separator's ids at the end of every chunk
     sep_end_ids: frozenset[int] = frozenset()  # single tokens whose text ends with the separator
+    user_head_ids: tuple[int, ...] = ()  # the chat template's ids right before a user turn's content
 
     @classmethod
     def for_template(cls, template: PromptTemplate) -> PromptLayout:
@@ -61,7 +74,7 @@ class PromptLayout:
                              "neighbours; chunk boundaries cannot be recognised from token ids")
         texts = tok.batch_decode([[i] for i in range(len(tok))])  # once per tokenizer (~1 s at 150k ids)
         ends = frozenset(i for i, text in enumerate(texts) if text.endswith(template.separator))
-        return cls(template, tuple(head), tuple(with_sep[len(plain):]), ends)
+        return cls(template, tuple(head), tuple(with_sep[len(plain):]), ends, _user_head(template))
 
     def ends_chunk(self, ids: Sequence[int], j: int) -> bool:
         """Whether a chunk can end right before position ``j``: after the separator's ids, or after
@@ -72,14 +85,24 @@ class PromptLayout:
     def regions(self, ids: Sequence[int]) -> tuple[int, int] | None:
         """(start, end) of the chunk region of ``ids``, or None when ``ids`` is not this template's
         prompt (prefix, question head, tail or a separator at the region's end missing)."""
-        t = self.template
-        p, tail = len(t.prefix_ids), list(t.tail_ids)
-        if list(ids[:p]) != list(t.prefix_ids) or (tail and list(ids[len(ids) - len(tail):]) != tail):
+        tail = list(self.template.tail_ids)
+        if tail and list(ids[len(ids) - len(tail):]) != tail:
             return None
-        s = _find_last(ids, self.head_ids, p)
-        if s <= p or not self.ends_chunk(ids, s):
+        s = _find_last(ids, self.head_ids, 0)
+        p = self.chunks_start(ids, s)
+        if p is None or s <= p or not self.ends_chunk(ids, s):
             return None
         return p, s
+
+    def chunks_start(self, ids: Sequence[int], end: int) -> int | None:
+        """Where the chunks of ``ids`` begin: right after the last user-turn header before ``end``
+        (any system prompt or earlier turns before it), or, without a chat template, after the
+        template's exact prefix."""
+        if self.user_head_ids:
+            i = _find_last(ids[:end], self.user_head_ids, 0)
+            return None if i < 0 else i + len(self.user_head_ids)
+        p = len(self.template.prefix_ids)
+        return p if list(ids[:p]) == list(self.template.prefix_ids) else None
 
     def boundaries(self, ids: Sequence[int], start: int, end: int) -> list[int]:
         """Candidate chunk ends in ids[start:end]: right after each separator (and ``end``)."""

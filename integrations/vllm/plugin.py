@@ -2,9 +2,11 @@
 
 vLLM calls ``register`` in every one of its processes before any model is built. It only registers:
 ragkv's blend-aware subclasses of vLLM's Llama, Qwen2 and Mistral classes for their architecture
-names (ragkv.integrations.vllm.models), which behave as vLLM's own classes unless RagKVConnector is
-configured. Nothing is registered on a vLLM release the native blend was not checked against, nor
-over an architecture another plugin already replaced (the connector then says why it cannot blend).
+names (ragkv.integrations.vllm.models), and ragkv's subclass of vLLM's HF renderer for renderer
+mode "hf" (ragkv.integrations.vllm.chat: chat requests with documents as ragkv chunks). Both behave
+as vLLM's own classes unless RagKVConnector is configured. Nothing is registered on a vLLM release
+the native blend was not checked against, nor over an architecture or renderer another plugin
+already replaced (the connector then says why it cannot blend).
 Turn the plugin off with vLLM's own switch: ``VLLM_PLUGINS`` set to a list without ``ragkv``.
 """
 
@@ -43,3 +45,16 @@ def register() -> None:
                         arch, current)
             continue
         ModelRegistry.register_model(arch, f"{__package__}.models:{cls}")
+    _register_renderer()
+
+
+def _register_renderer() -> None:
+    from vllm.renderers.registry import RENDERER_REGISTRY
+
+    own, ours = ("vllm.renderers.hf", "HfRenderer"), (f"{__package__}.chat", "RagKVRenderer")
+    current = RENDERER_REGISTRY.renderers.get("hf")
+    if current not in (own, ours):
+        log.warning("ragkv: vLLM's 'hf' renderer is already replaced by %s; chat documents are not laid out "
+                    "as ragkv chunks", ".".join(current or ("?",)))
+        return
+    RENDERER_REGISTRY.renderers["hf"] = ours  # (its register() would warn about the replacement every start)

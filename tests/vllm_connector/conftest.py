@@ -20,19 +20,21 @@ else:
 
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory):
-    """(llm, engine): vLLM's offline LLM on SmolLM2 (fp32, prefix caching off) with RagKVConnector
-    over a disk store, in this process; ``engine`` is the connector's worker-side BlendEngine (over
-    vLLM's own model: ragkv.integrations.vllm.layers.VllmLayers)."""
+    """(llm, engine): vLLM's offline LLM on SmolLM2 (fp32) with RagKVConnector over a disk store, in
+    this process, under vLLM v1's defaults: prefix caching and chunked prefill on (a budget of
+    MAX_BATCHED_TOKENS per step); ``engine`` is the connector's worker-side BlendEngine (over vLLM's
+    own model: ragkv.integrations.vllm.layers.VllmLayers)."""
     from vllm import LLM
     from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm_data import DTYPE
+    from vllm_data import BLOCK, DTYPE, MAX_BATCHED_TOKENS
 
     from ragkv.gguf import convert_smollm2
     from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
 
     store = f"disk://{tmp_path_factory.mktemp('vllm-store')}"
-    llm = LLM(model=str(convert_smollm2()), dtype=DTYPE, enforce_eager=True, enable_prefix_caching=False,
-              max_model_len=2048, block_size=32, seed=0,
+    llm = LLM(model=str(convert_smollm2()), dtype=DTYPE, enforce_eager=True, enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=4,
+              max_model_len=2048, block_size=BLOCK, seed=0,
               gpu_memory_utilization=CPU_MEMORY_UTILIZATION, kv_transfer_config=kv_transfer_config(store, 0.15))
     return llm, get_kv_transfer_group().engine
 

@@ -40,6 +40,7 @@ def main() -> None:
     from ragkv.kernels import dispatch as ops
 
     hf_fingerprint = save_tiny(kind, path)
+    # no connector here: vLLM's own prefill of one prompt in one step, captured layer by layer
     llm = LLM(model=path, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=1024,
               block_size=32, seed=0, gpu_memory_utilization=0.3, skip_tokenizer_init=True)
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

@@ -50,12 +50,13 @@ def main() -> None:
     from ragkv.prompt import PromptTemplate
 
     kw = {"kv_transfer_config": kv_transfer_config(f"disk://{store}", 0.15)} if mode == "ragkv" else {}
-    llm = LLM(model=str(convert_smollm2()), dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+    llm = LLM(model=str(convert_smollm2()), dtype="float32", enforce_eager=True,  # vLLM's defaults otherwise
               max_model_len=2048, block_size=32, seed=0, gpu_memory_utilization=CPU_MEMORY_UTILIZATION, **kw)
     ids = PromptTemplate.for_tokenizer(load_tokenizer()).build("Who built the lighthouse at Kerran Point?",
                                                               DOCS[:3]).input_ids
     infos = []
     for _ in range(2):  # ragkv: a miss (vLLM prefills, the chunks are written back), then a blend
+        llm.reset_prefix_cache()  # (vLLM's prefix cache would serve the second request whole)
         out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
         infos.append((out.kv_transfer_params or {}).get("ragkv"))
     print(json.dumps({"mode": mode, "text": out.outputs[0].text, "connector": infos,

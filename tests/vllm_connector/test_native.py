@@ -31,34 +31,49 @@ class FixedRows(Selector):
 
 
 def vllm_prefill(llm, model, ids: list[int]) -> dict:
-    """vLLM's own prefill of ``ids`` (the connector skipped): per layer the decoder layer's output
-    (hidden + residual) and the K/V [kv_heads, T, head_dim] its attention layer was given (rotated,
-    what vLLM caches), and the top-20 next-token log-probs."""
+    """vLLM's own prefill of ``ids`` (the connector skipped, vLLM's prefix cache not read): per layer
+    the decoder layer's output (hidden + residual) and the K/V [kv_heads, T, head_dim] its attention
+    layer was given (rotated, what vLLM caches), and the top-20 next-token log-probs. Chunked prefill
+    runs it over several steps: each step's rows are appended (its real rows: the run of positions
+    that continues the prompt; a backend may pad a step)."""
     from vllm import SamplingParams
 
-    T, out, kv = len(ids), {}, {}
+    T, out, kv, rows = len(ids), {}, {}, {}
     a = ModelAdapter.of(model)
-    heads = (T, a.num_kv_heads, a.head_dim)
+    heads = (-1, a.num_kv_heads, a.head_dim)
+
+    def on_positions(li):
+        def hook(mod, args):
+            pos = args[0].flatten()
+            n = int((pos == torch.arange(pos[0], pos[0] + len(pos))).long().cumprod(0).sum())
+            assert int(pos[0]) == sum(len(t) for t in out.get(li, [])), "steps out of order"
+            rows[li] = n
+        return hook
 
     def on_layer(li):
-        return lambda mod, args, res: out.__setitem__(li, (res[0][:T] + res[1][:T]).clone())
+        return lambda mod, args, res: out.setdefault(li, []).append((res[0][:rows[li]] + res[1][:rows[li]]).clone())
 
     def on_attn(li):
-        return lambda mod, args, res: kv.__setitem__(li, tuple(t[:T].reshape(heads).transpose(0, 1).clone()
-                                                               for t in args[1:3]))
+        return lambda mod, args, res: kv.setdefault(li, []).append(
+            tuple(t[:rows[li]].reshape(heads).transpose(0, 1).clone() for t in args[1:3]))
 
     hooks = []
     for li, layer in enumerate(model.model.layers):
-        hooks += [layer.register_forward_hook(on_layer(li)), layer.self_attn.attn.register_forward_hook(on_attn(li))]
+        hooks += [layer.register_forward_pre_hook(on_positions(li)), layer.register_forward_hook(on_layer(li)),
+                  layer.self_attn.attn.register_forward_hook(on_attn(li))]
     try:
         res = llm.generate({"prompt_token_ids": ids}, SamplingParams(
-            max_tokens=1, temperature=0, logprobs=20, extra_args={"kv_transfer_params": {"ragkv_skip": True}}),
-            use_tqdm=False)[0]
+            max_tokens=1, temperature=0, logprobs=20, skip_reading_prefix_cache=True,
+            extra_args={"kv_transfer_params": {"ragkv_skip": True}}), use_tqdm=False)[0]
     finally:
         for h in hooks:
             h.remove()
     assert len(out) == len(kv) == a.num_layers
-    return {"hidden": out, "kv": kv, "logprobs": {t: lp.logprob for t, lp in res.outputs[0].logprobs[0].items()}}
+    hidden = {li: torch.cat(parts) for li, parts in out.items()}
+    kv = {li: tuple(torch.cat(p, dim=1) for p in zip(*parts)) for li, parts in kv.items()}
+    assert all(h.shape[0] == T for h in hidden.values()) and all(k.shape[1] == T for k, _ in kv.values())
+    return {"hidden": hidden, "kv": kv, "steps": len(out[0]),
+            "logprobs": {t: lp.logprob for t, lp in res.outputs[0].logprobs[0].items()}}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -84,6 +99,8 @@ def test_ratio_one_on_vllms_modules_is_vllms_own_prefill(vllm_env, vllm_model):
         ref_k, ref_v = own["kv"][li]
         T1 = k.shape[2]  # the prompt minus its last token
         assert rel_err(k[0], ref_k[:, :T1]) < 1e-5 and rel_err(v[0], ref_v[:, :T1]) < 1e-5, li
+    assert own["steps"] > 1  # chunked prefill: vLLM's own prefill took several steps
+    llm.reset_prefix_cache()  # vLLM cached its own prefill of this prompt: the connector would offer nothing
     toks, _, info = generate(llm, prompt.input_ids, ratio=1.0)
     skip, _, _ = generate(llm, prompt.input_ids, extra={"ragkv_skip": True})
     assert info["offered"] and toks == skip and len(toks) == 16

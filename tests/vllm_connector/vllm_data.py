@@ -10,3 +10,14 @@ DOCS = [
     "Ferries to Vell leave twice a day in summer and once a day in winter, from the old pier.",
     "The Vell museum keeps the lighthouse's first lens, a Fresnel lens made in Paris.",
 ]
+
+BLOCK = 32  # vLLM's block size in the tests
+# vLLM's chunked-prefill budget in the tests (tokens per step): below one block, so even the last
+# partial block a blended prompt leaves to vLLM is prefilled over several steps, and so is every
+# prompt vLLM prefills itself
+MAX_BATCHED_TOKENS = 16
+# a system prompt of several blocks that many prompts share: vLLM's prefix cache holds it
+SYSTEM = ("You are the archivist of the Vell harbour museum. Answer questions about the coast, its "
+          "lighthouse and its ferries from the documents the user gives you, in one short sentence. "
+          "If the documents do not say, answer that you do not know. Never invent names or dates, "
+          "and quote numbers exactly as the documents give them.")
