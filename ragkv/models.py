@@ -163,3 +163,9 @@ def tiny_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
                 p.normal_(0.0, 0.5)
     model.name_or_path = f"tiny-{kind}-seed{seed}"
     return model.eval()
+
+
+if __name__ == "__main__":  # python -m ragkv.models [NAME]: the local directory of a model (converted on first use)
+    import sys
+
+    print(_resolve(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL))

@@ -36,8 +36,8 @@ def served(tmp_path_factory):
     sys.path.insert(0, str(ROOT / "examples"))
     from vllm_serve import server_command, wait_ready
 
+    from ragkv.gguf import convert_smollm2
     from ragkv.integrations.vllm.precompute import precompute
-    from ragkv.models import convert_smollm2
 
     redis = RedisServer().start()
     model_dir = str(convert_smollm2())
