@@ -330,3 +330,21 @@ def test_precompute_bad_shard(tmp_path, spec):
 def test_precompute_quant_axis_needs_int8(tmp_path):
     r = _invoke("precompute", str(tmp_path), "--store", "memory", "--quant-axis", "token")
     assert r.exit_code == 2 and "--dtype int8" in r.output
+
+
+def test_stats_counts_entries_of_the_old_key_scheme_as_stale(disk_uri):
+    """Entries written by ragkv <= 0.3 (ragkv1- keys, another fingerprint) are never read: stats says
+    how many there are and what to do, instead of counting them as usable entries silently."""
+    from dataclasses import replace
+
+    with open_store(disk_uri) as store:  # (the fixture stored 3 entries)
+        key = next(iter(store.keys()))
+        meta = store.get_meta(key)
+        old = "ragkv1-" + key.removeprefix("ragkv2-")
+        kv = [(layer[0], layer[1]) for layer in store.get(key).layers]
+        assert store.put(replace(meta, key=old), kv)
+    r = _invoke("stats", "--store", disk_uri, "--json")
+    (row,) = json.loads(r.stdout)["tiers"]
+    assert row["entries"] == 4 and row["stale"] == 1
+    r = _invoke("stats", "--store", disk_uri)
+    assert "stale" in r.output and "ragkv <= 0.3" in r.output and "ragkv precompute" in r.output
