@@ -14,6 +14,11 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+try:
+    from jinja2 import TemplateError
+except ImportError:  # transformers renders chat templates with jinja2: without it there are none to refuse
+    TemplateError = ()
+
 _SENTINEL = "\x00RAGKV-CONTENT\x00"
 DEFAULT_QUESTION = "Answer the question using the documents above. Be brief.\nQuestion: {question}"
 
@@ -102,9 +107,10 @@ class PromptTemplate:
         prefix (system, earlier turns, user header), one chunk per context, the question format
         around the last message (the user's question) and the rest of the template as the suffix.
         A single user message gives ``build(question, contexts)``'s ids. Raises ChatTemplateError
-        when the template has no single place for the question, ValueError for a bad context."""
+        when the template has no single place for the question, MessagesRefused for messages the
+        template refuses (or a last message that is not the user's), ValueError for a bad context."""
         if not messages or messages[-1].get("role") != "user" or not isinstance(messages[-1].get("content"), str):
-            raise ValueError("with documents the last message must be the user's question (a string)")
+            raise MessagesRefused("with documents the last message must be the user's question (a string)")
         head, tail = around_last_user(self.tokenizer, messages[:-1])
         q = self.question_format.format(question=messages[-1]["content"].strip())
         suffix = self._ids(q) + self._ids(tail)
@@ -148,10 +154,18 @@ class ChatTemplateError(ValueError):
     """The model's chat template cannot hold documents (it drops or repeats the user's content)."""
 
 
+class MessagesRefused(ValueError):
+    """The model's chat template refuses these messages (e.g. roles that do not alternate)."""
+
+
 def chat_text(tokenizer, messages: list[dict]) -> str:
-    """The chat template over ``messages`` with the assistant header; a plain layout without one."""
+    """The chat template over ``messages`` with the assistant header; a plain layout without one.
+    Raises MessagesRefused when the template itself refuses them (its ``raise_exception``)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:
+            raise MessagesRefused(f"the model's chat template refuses these messages: {e}") from None
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from ragkv.decode import Sampler, stop_ids
-from ragkv.prompt import ChatTemplateError, Prompt, chat_text, check_window
+from ragkv.prompt import ChatTemplateError, MessagesRefused, Prompt, chat_text, check_window
 
 from .protocol import ApiError, ChatRequest, bad
 
@@ -38,7 +38,10 @@ def build_prompt(engine, req: ChatRequest) -> Prompt | list[int]:
         return tok(text, add_special_tokens=False)["input_ids"] if text else []
 
     if not req.documents:
-        prompt = ids(chat_text(tok, req.messages))
+        try:
+            prompt = ids(chat_text(tok, req.messages))
+        except MessagesRefused as e:
+            raise ApiError(400, str(e), "messages") from None
         if not getattr(tok, "chat_template", None) and getattr(tok, "bos_token_id", None) is not None:
             prompt = [tok.bos_token_id, *prompt]
         _fits(len(prompt), window, "the messages (and the first answer token)", "messages")
@@ -48,6 +51,8 @@ def build_prompt(engine, req: ChatRequest) -> Prompt | list[int]:
         prompt = engine.template.chat(req.messages, [d.chunk_text() for d in req.documents], window, names)
     except ChatTemplateError as e:
         raise ApiError(500, str(e), type_="server_error") from None
+    except MessagesRefused as e:
+        raise ApiError(400, str(e), "messages") from None
     except ValueError as e:
         raise _window_error(str(e), "documents") from None
     lens = [len(c) for c in prompt.chunk_ids]

@@ -209,6 +209,33 @@ def test_the_question_marker_in_a_message_cannot_move_the_layout(server, tiny_sm
     assert r.json()["usage"]["prompt_tokens"] == prompt.num_tokens
 
 
+STRICT_TEMPLATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+                   "{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+
+
+@pytest.mark.parametrize("documents", [None, ["The lighthouse was designed by Agnes Tolland."]])
+def test_messages_the_chat_template_refuses_are_a_400(tiny_smollm2, monkeypatch, documents):
+    """A template's own raise_exception (Mistral's "roles must alternate") was a 500 with a traceback."""
+    from fastapi.testclient import TestClient
+
+    from ragkv.blend import BlendEngine
+    from ragkv.integrations.serve import app as app_module
+    from ragkv.store import open_store
+
+    model, tok = tiny_smollm2
+    monkeypatch.setattr(tok, "chat_template", STRICT_TEMPLATE)
+    app = app_module.create_app(BlendEngine(model, tok, open_store("memory")), MODEL, max_queue=QUEUE)
+    body = {"model": MODEL, "max_tokens": 2, **({"documents": documents} if documents else {}),
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Who designed it?"}]}
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        r = tc.post("/v1/chat/completions", json=body)
+        err = assert_error(r, 400, "messages")
+        assert "roles must alternate" in err["message"]
+        body["messages"] = body["messages"][1:]
+        assert tc.post("/v1/chat/completions", json=body).status_code == 200
+
+
 # ---------------------------------------------------------------------------- bodies
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
