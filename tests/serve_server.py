@@ -16,7 +16,11 @@ from redis_server import free_port
 
 class ServeProcess:
     def __init__(self, model: str, store: str, *args: str, model_dtype: str = "float32", env: dict | None = None):
-        """``args``: more options of ``ragkv serve``; ``env``: more environment (e.g. RAGKV_API_KEY)."""
+        """``args``: more options of ``ragkv serve``; ``env``: more environment (e.g. RAGKV_API_KEY).
+        The corpus store is created first, as ``ragkv precompute`` would: serve only reads it."""
+        from ragkv.store import open_store
+
+        open_store(store).close()
         self.port = free_port()
         self.args = [sys.executable, "-m", "ragkv.cli", "serve", "--store", store, "--model", model,
                      "--model-dtype", model_dtype, "--port", str(self.port), *args]

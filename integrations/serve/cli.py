@@ -12,7 +12,7 @@ import click
 
 from ragkv.cli.options import build, check_tiers, model_options, open_store, policy_options, ratio
 
-from .guard import LOOPBACK_NAMES, is_loopback
+from .guard import allowed_hosts, is_loopback
 from .writes import DEFAULT_WRITE_STORE, POLICIES, WritePolicy, check_write_store
 
 log = logging.getLogger("ragkv.serve")
@@ -106,8 +106,7 @@ def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_q
 
         torch.set_num_threads(threads)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loopback = is_loopback(host)
-    if not loopback and not api_key:
+    if not is_loopback(host) and not api_key:
         log.warning("listening on %s without an API key: anyone who can reach this address can use the model "
                     "and fill the write store; set RAGKV_API_KEY (or --api-key)", host)
     policy = WritePolicy(write_policy, write_quota, write_window)
@@ -116,7 +115,7 @@ def serve(store_uri, model_name, model_dtype, host, port, ratio, selector, max_q
     model_id = served_model_name or (Path(model_name).name if Path(model_name).is_dir() else model_name)
     app = create_app(engine, model_id, max_queue=max_queue, default_max_tokens=default_max_tokens, api_key=api_key,
                      metrics_public=metrics_public, max_body=max_body,
-                     allowed_hosts=[*LOOPBACK_NAMES, *allow_hosts] if loopback else (list(allow_hosts) or None))
+                     allowed_hosts=allowed_hosts(host, allow_hosts))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=log_level == "debug")
     # uvicorn re-raises the signal it stopped on once it has shut down; with these handlers in place that
@@ -132,7 +131,7 @@ def _engine(store_uri, write_store, policy: WritePolicy, model_name, model_dtype
     the model loads; both stores are closed again when anything fails."""
     from .store import ServeStore
 
-    store = open_store(store_uri)
+    store = open_store(store_uri, "--store", create=False)
     writes = None
     try:
         writes = open_store(write_store, "--write-store")

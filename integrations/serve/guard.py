@@ -36,6 +36,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def allowed_hosts(bind: str, extra=()) -> list[str] | None:
+    """The Host names a server bound to ``bind`` answers: on a loopback bind the loopback names, the
+    bind address itself (e.g. 127.0.0.2) and ``extra`` (--allow-host); elsewhere ``extra`` only, or
+    any name (None) without it."""
+    if is_loopback(bind):
+        return [*LOOPBACK_NAMES, bind.strip("[]"), *extra]
+    return list(extra) or None
+
+
 def host_name(header: str) -> str:
     """The name of a Host header without its port: 'a.b:80' -> 'a.b', '[::1]:80' -> '::1'."""
     h = header.strip().lower()
@@ -100,7 +109,9 @@ class Guard:
             raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), got "
                            f"{headers.get('content-type', 'no Content-Type')!r}", code="unsupported_media_type")
         length = headers.get("content-length")
-        if length is not None and (not length.strip().isdigit() or int(length) > self.max_body):
+        if length is not None and not length.strip().isdigit():
+            raise ApiError(400, f"Content-Length {length!r} is not a byte count")
+        if length is not None and int(length) > self.max_body:
             raise self._too_large(length)
         chunks, size = [], 0
         while True:

@@ -33,6 +33,7 @@ from redis_server import free_port
 from serve_server import ServeProcess
 
 from ragkv.cli import main
+from ragkv.store import open_store
 
 MODEL = "tiny"
 QUEUE = 2  # --max-queue of the main server: a place never given back shows after 2 requests
@@ -123,7 +124,6 @@ def test_a_request_that_raises_anywhere_gives_its_place_back(tiny_smollm2, monke
 
     from ragkv.blend import BlendEngine
     from ragkv.integrations.serve import app as app_module
-    from ragkv.store import open_store
 
     model, tok = tiny_smollm2
     app = app_module.create_app(BlendEngine(model, tok, open_store("memory")), MODEL, max_queue=QUEUE)
@@ -191,7 +191,6 @@ def test_the_question_marker_in_a_message_cannot_move_the_layout(server, tiny_sm
     from ragkv.blend import BlendEngine
     from ragkv.integrations.serve.chat import build_prompt
     from ragkv.integrations.serve.protocol import parse_request
-    from ragkv.store import open_store
 
     model, tok = tiny_smollm2
     engine = BlendEngine(model, tok, open_store("memory"))
@@ -221,7 +220,6 @@ def test_messages_the_chat_template_refuses_are_a_400(tiny_smollm2, monkeypatch,
 
     from ragkv.blend import BlendEngine
     from ragkv.integrations.serve import app as app_module
-    from ragkv.store import open_store
 
     model, tok = tiny_smollm2
     monkeypatch.setattr(tok, "chat_template", STRICT_TEMPLATE)
@@ -285,6 +283,41 @@ def test_a_loopback_server_answers_only_loopback_host_names(server, host):
 def test_loopback_host_names_are_answered(server):
     for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", f"[::1]:{server.port}", "LOCALHOST"):
         assert httpx.get(f"{server.url}/v1/models", headers={"Host": host}, timeout=30).status_code == 200
+
+
+def test_a_loopback_bind_answers_its_own_address():
+    """--host 127.0.0.2 is loopback; requests naming it were refused (403)."""
+    from ragkv.integrations.serve.guard import allowed_hosts, host_name
+
+    names = allowed_hosts("127.0.0.2", ["proxy.internal"])
+    assert {"127.0.0.2", "localhost", "127.0.0.1", "::1", "proxy.internal"} <= set(names)
+    assert host_name("127.0.0.2:8000") in names and "evil.example" not in names
+    assert allowed_hosts("0.0.0.0") is None and allowed_hosts("0.0.0.0", ["a.example"]) == ["a.example"]
+
+
+def test_a_content_length_that_is_not_a_number_is_a_400():
+    """It was answered 413 "too large". (uvicorn refuses most malformed lengths itself; the guard is
+    also mounted under other ASGI servers.)"""
+    import asyncio
+
+    from ragkv.integrations.serve.guard import Guard
+
+    sent = []
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("the route ran")
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"12abc")]}
+    asyncio.run(Guard(app)(scope, receive, send))
+    assert sent[0]["status"] == 400
+    assert "Content-Length" in json.loads(sent[1]["body"])["error"]["message"]
 
 
 # ---------------------------------------------------------------------------- who may ask
@@ -442,6 +475,14 @@ def test_write_quota_bounds_what_is_kept(tiny_smollm2_dir, tmp_path):
     ("redis://127.0.0.1:6379/0?namespace=req", "ttl="),
 ])
 def test_a_write_store_that_could_hurt_the_corpus_is_refused(tmp_path, write_store, match):
+    open_store(f"disk://{tmp_path}/corpus").close()
     r = CliRunner().invoke(main, ["serve", "--store", f"disk://{tmp_path}/corpus",
                                   "--write-store", write_store.format(tmp=tmp_path)])
     assert r.exit_code == 2 and "--write-store" in r.output and match in r.output, r.output
+
+
+def test_a_missing_corpus_store_is_an_error_not_created(tmp_path):
+    """--store is only read: a mistyped path was created empty, and the server ran with no hits."""
+    r = CliRunner().invoke(main, ["serve", "--store", f"disk://{tmp_path}/corpsu"])
+    assert r.exit_code == 1 and "corpsu: no such directory" in r.output, r.output
+    assert not (tmp_path / "corpsu").exists()
