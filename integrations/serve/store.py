@@ -36,7 +36,8 @@ class ServeStore(TieredStore):
             self._count("put_skipped")
             return False
         n = layout.total_nbytes  # what the entry takes in a store
-        if not self.policy.reserve(n):
+        ticket = self.policy.reserve(n)
+        if ticket is None:
             self._count("writes_refused")
             return False
         written = False
@@ -46,7 +47,7 @@ class ServeStore(TieredStore):
             self._count("tier_write_errors")
             raise
         finally:
-            self.policy.settle(n, written)
+            self.policy.settle(ticket, written)
         self._count("puts" if written else "put_skipped")
         return written
 

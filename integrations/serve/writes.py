@@ -28,7 +28,8 @@ DEFAULT_WRITE_STORE = "memory://?max_bytes=256M"
 
 class WritePolicy:
     """How many bytes of request-computed entries may be kept; thread-safe. ``reserve(n)`` before a
-    write (False: refused), ``settle(n, written)`` after it (a write that did not happen is given back)."""
+    write returns its ticket (None: refused), ``settle(ticket, written)`` after it: a write that did
+    not happen gives its reservation back."""
 
     def __init__(self, policy: str = "quota", quota: int = 256 << 20, window_s: float = 3600.0, clock=time.monotonic):
         if policy not in POLICIES:
@@ -37,7 +38,7 @@ class WritePolicy:
             raise ValueError(f"a write quota needs a size >= 0 and a window > 0 s, got {quota!r} per {window_s!r} s")
         self.policy, self.quota, self.window_s, self._clock = policy, quota, window_s, clock
         self._lock = threading.Lock()
-        self._recent: deque[tuple[float, int]] = deque()  # (when, bytes) of the writes in the window
+        self._recent: deque[_Ticket] = deque()  # the reservations in the window, oldest first
         self._used = 0
         self.written = self.written_bytes = self.refused = 0
 
@@ -46,30 +47,40 @@ class WritePolicy:
             return f"quota: at most {self.quota} bytes per {self.window_s:g} s"
         return self.policy
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int) -> _Ticket | None:
         with self._lock:
+            ticket = _Ticket(self._clock(), nbytes)
             if self.policy == "quota":
-                now = self._clock()
-                while self._recent and now - self._recent[0][0] >= self.window_s:
-                    self._used -= self._recent.popleft()[1]
+                while self._recent and ticket.when - self._recent[0].when >= self.window_s:
+                    self._used -= self._recent.popleft().nbytes
                 if self._used + nbytes > self.quota:
                     self.refused += 1
-                    return False
-                self._recent.append((now, nbytes))
+                    return None
+                self._recent.append(ticket)
                 self._used += nbytes
             elif self.policy == "none":
                 self.refused += 1
-                return False
-            return True
+                return None
+            return ticket
 
-    def settle(self, nbytes: int, written: bool) -> None:
+    def settle(self, ticket: _Ticket, written: bool) -> None:
         with self._lock:
             if written:
                 self.written += 1
-                self.written_bytes += nbytes
-            elif self.policy == "quota":
-                self._recent.append((self._clock(), -nbytes))
-                self._used -= nbytes
+                self.written_bytes += ticket.nbytes
+                return
+            for i, t in enumerate(self._recent):  # still in the window: given back
+                if t is ticket:
+                    del self._recent[i]
+                    self._used -= ticket.nbytes
+                    break
+
+
+class _Ticket:
+    __slots__ = ("when", "nbytes")
+
+    def __init__(self, when: float, nbytes: int):
+        self.when, self.nbytes = when, nbytes
 
 
 def _place(store):
