@@ -256,7 +256,8 @@ class RagKVConnector(KVConnectorBase_V1):
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, RagKVWorkerMetadata):
             for rid, st in wm.stats.items():
-                self._worker_stats[rid] = st
+                if rid in self._plans:  # (a request already finished keeps nothing here)
+                    self._worker_stats[rid] = st
                 self.totals["blended"] += "error" not in st
                 self.totals["load_errors"] += "error" in st
                 self.totals["hits"] += st.get("hits", 0)
