@@ -58,20 +58,20 @@ class _Stream(StreamingResponse):
             self._on_close()
 
 
-def create_app(engine, model_id: str, *, ratio=None, max_queue: int = 32, default_max_tokens: int = 256,
+def create_app(engine, model_id: str, *, max_queue: int = 32, default_max_tokens: int = 256,
                close_store: bool = True, api_key: str | None = None, metrics_public: bool = False,
                allowed_hosts=None, max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
-    """The app serving ``engine`` (a BlendEngine) as ``model_id``. ``ratio``: the recompute ratio of
-    every request (None: the engine's config). On shutdown the queued steps are dropped, the running
+    """The app serving ``engine`` (a BlendEngine) as ``model_id``, at the engine's recompute ratio and
+    selector (its config). On shutdown the queued steps are dropped, the running
     one finishes, and the engine's store is closed (``close_store``). ``api_key``, ``metrics_public``,
     ``allowed_hosts`` (None: any Host) and ``max_body`` (bytes): what every request passes first
     (ragkv.integrations.serve.guard). When the engine's store is a ``ServeStore``
     (ragkv.integrations.serve.store), its write policy's counters are in /metrics."""
-    chat = _Chat(engine, model_id, Worker(max_queue), Metrics(), ratio, default_max_tokens)
+    chat = _Chat(engine, model_id, Worker(max_queue), Metrics(), default_max_tokens)
 
     @asynccontextmanager
     async def lifespan(app):
-        log.info("serving %s on store %s (ratio %s)", model_id, engine.store.uri, ratio or engine.config.ratio)
+        log.info("serving %s on store %s (ratio %s)", model_id, engine.store.uri, engine.config.ratio)
         yield
         chat.worker.close()
         if close_store:
@@ -147,9 +147,9 @@ def _info_routes(app: FastAPI, model_id: str, worker: Worker, metrics: Metrics, 
 class _Chat:
     """POST /v1/chat/completions: admit, prefill and decode on the worker thread, answer or stream."""
 
-    def __init__(self, engine, model_id: str, worker: Worker, metrics: Metrics, ratio, default_max_tokens: int):
+    def __init__(self, engine, model_id: str, worker: Worker, metrics: Metrics, default_max_tokens: int):
         self.engine, self.model_id, self.worker, self.metrics = engine, model_id, worker, metrics
-        self.ratio, self.default_max_tokens = ratio, default_max_tokens
+        self.default_max_tokens = default_max_tokens
 
     async def completions(self, request: Request):
         t0 = time.perf_counter()
@@ -165,7 +165,7 @@ class _Chat:
         # (a 500 from the handler), a cancelled task, a stream that never started (_Stream)
         gen, streaming = None, False
         try:
-            gen = Generation(self.engine, req, self.default_max_tokens, self.ratio)
+            gen = Generation(self.engine, req, self.default_max_tokens)
             try:
                 await self.worker.run(gen.prefill, t0)
             except StoreError as e:  # messages name the store with its secrets masked

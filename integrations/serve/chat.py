@@ -74,8 +74,8 @@ class Generation:
     """The decode state of one request. ``max_tokens``: the server's default when the request has
     none (clamped to what the window leaves); a requested one that does not fit is a 400."""
 
-    def __init__(self, engine, req: ChatRequest, default_max_tokens: int, ratio=None):
-        self.engine, self.req, self.ratio = engine, req, ratio
+    def __init__(self, engine, req: ChatRequest, default_max_tokens: int):
+        self.engine, self.req = engine, req
         self.default_max_tokens = default_max_tokens
         self.ids: list[int] = []  # generated, EOS excluded
         self.finish: str | None = None  # "stop" | "length" once done
@@ -107,7 +107,7 @@ class Generation:
         self.prompt_tokens = prompt.num_tokens if isinstance(prompt, Prompt) else len(prompt)
         self.max_tokens = self._max_tokens()
         if isinstance(prompt, Prompt):
-            res = self.engine.prefill_prompt(prompt, ratio=self.ratio)
+            res = self.engine.prefill_prompt(prompt)  # at the engine's ratio (ragkv serve --ratio)
             self.stats, self._cache, logits = res.stats, res.cache, res.logits
             self._pending = [prompt.input_ids[-1]]  # the handoff cache holds the prompt minus it
         else:

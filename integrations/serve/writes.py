@@ -77,7 +77,7 @@ class WritePolicy:
 
 
 class _Ticket:
-    __slots__ = ("when", "nbytes")
+    __slots__ = ("nbytes", "when")
 
     def __init__(self, when: float, nbytes: int):
         self.when, self.nbytes = when, nbytes
