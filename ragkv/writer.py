@@ -5,7 +5,7 @@
                   under PrecomputePolicy.lead, its lead entry); per distinct key: skipped (every
                   tier holds it), repaired (copied from a tier that holds it into those that lack
                   it) or to compute (a Job)
-    write_chunks  batches of similar lengths (policy.batches), one forward each, entries encoded and
+    write_chunks  batches of similar lengths (prefill.batches), one forward each, entries encoded and
                   written on a background thread while the next batch computes; a chunk another
                   process wrote meanwhile counts as skipped; STOP_AFTER consecutive write failures of
                   one cause stop the job (``stop_reason``)
@@ -200,7 +200,7 @@ class EntryWriter:
 
 
 def job_batches(todo: list[Job], sink_len: int, batch_tokens: int) -> list[list[Job]]:
-    """The jobs in forward batches (policy.batches): one kind per batch, similar lengths together."""
+    """The jobs in forward batches (prefill.batches): one kind per batch, similar lengths together."""
     out = []
     for kind in ("chunk", "lead"):
         jobs = [j for j in todo if j.kind == kind]

@@ -30,8 +30,9 @@ import torch
 from ragkv import models
 from ragkv.blend import BlendEngine
 from ragkv.chunking import chunk_document
-from ragkv.policy import PrecomputePolicy, StorageFormat, batches
+from ragkv.policy import PrecomputePolicy, StorageFormat
 from ragkv.precompute import precompute
+from ragkv.prefill import batches
 from ragkv.store import open_store
 
 MODULES = ("collections", "pathlib", "json", "argparse", "subprocess", "threading", "itertools", "functools",

@@ -80,11 +80,12 @@ def main() -> None:
         cmd = [sys.executable, "-m", "ragkv.cli", "eval", "--questions", str(questions), "--model", args.model,
                "--model-dtype", dtype, "--store", store, "--ratios", RATIOS, "--selectors", SELECTORS,
                "--question-format", QUESTION_FORMAT, "--repeats", str(args.repeats), "--json", str(report_path)]
+        report_path.unlink(missing_ok=True)  # (a report left by an earlier run must not pass for this one)
         print("$", _sh(cmd), flush=True)
         t0 = time.time()
         r = subprocess.run(cmd)
-        if r.returncode not in (0, 1):  # 1: some question could not run (listed in the report)
-            sys.exit(r.returncode)
+        if r.returncode not in (0, 1) or not report_path.is_file() or report_path.stat().st_size == 0:
+            sys.exit(f"ragkv eval failed (exit {r.returncode}) and wrote no report; its message is above")
     report = json.loads(report_path.read_text())
     import torch
 

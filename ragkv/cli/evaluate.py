@@ -100,21 +100,21 @@ def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, select
         qs = load_questions(questions_path)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    store = open_store(store_uris)
-    check_tiers([store])
-    engine = build(model_name, model_dtype, store, BlendConfig(selector=sels[0]), sink=sink, gap=gap,
-                   namespace=namespace, context=context, lead=lead)
-    if question_format is not None:  # the suffix only: chunk and prefix keys do not depend on it
-        engine.template = replace(engine.template, question_format=question_format)
+    with open_store(store_uris) as store:
+        check_tiers([store])
+        engine = build(model_name, model_dtype, store, BlendConfig(selector=sels[0]), sink=sink, gap=gap,
+                       namespace=namespace, context=context, lead=lead)
+        if question_format is not None:  # the suffix only: chunk and prefix keys do not depend on it
+            engine.template = replace(engine.template, question_format=question_format)
 
-    def progress(i, n):
-        click.echo(f"  question {i}/{n}", err=True)
+        def progress(i, n):
+            click.echo(f"  question {i}/{n}", err=True)
 
-    try:
-        report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, max_new_tokens=answer_tokens,
-                          repeats=repeats, progress=progress, selectors=sels)
-    except ValueError as e:  # e.g. a check layer beyond the model's depth
-        raise click.ClickException(str(e)) from None
+        try:
+            report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, max_new_tokens=answer_tokens,
+                              repeats=repeats, progress=progress, selectors=sels)
+        except ValueError as e:  # e.g. a check layer beyond the model's depth
+            raise click.ClickException(str(e)) from None
     report["model"], report["model_dtype"], report["store"] = model_name, str(engine.adapter.dtype), store.uri
     click.echo(format_table(report))
     if json_out:

@@ -4,6 +4,7 @@ options, building the engine from them, ratio parsing, and errors that are messa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -108,15 +109,13 @@ def ratios(text: str) -> list:
 
 
 def writable(path: str, param_hint: str = "--json") -> str:
-    """Fail before a long run, not after it, when a report cannot be written to ``path``."""
+    """Fail before a long run, not after it, when a report cannot be written to ``path`` (nothing is
+    created: a run that fails early leaves no empty report behind)."""
     p = Path(path)
     if p.is_dir():
         raise click.BadParameter(f"{path} is a directory", param_hint=param_hint)
     if not p.parent.is_dir():
         raise click.BadParameter(f"directory {p.parent} does not exist", param_hint=param_hint)
-    try:
-        with open(p, "a"):
-            pass
-    except OSError as e:
-        raise click.BadParameter(f"cannot write {path}: {e.strerror or e}", param_hint=param_hint) from None
+    if not (os.access(p, os.W_OK) if p.exists() else os.access(p.parent, os.W_OK | os.X_OK)):
+        raise click.BadParameter(f"cannot write {path}: permission denied", param_hint=param_hint)
     return path
