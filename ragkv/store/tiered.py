@@ -5,7 +5,7 @@
   and counted in ``tier_write_errors``; the others still get it.
 - ``contains``: any tier; ``missing_tiers(key)``: the tiers lacking a valid entry; ``fill(key)``:
   copy a verified copy into them (Redis restarted empty under a disk tier, a truncated disk file).
-- ``fetch_layers`` / ``get_layer(s)``: each key from the first tier that has it, no promotion; a
+- ``fetch_layers`` / ``get_layer``: each key from the first tier that has it, no promotion; a
   miss everywhere reports "error" if a tier could not be asked, else corrupt/unsupported/absent.
 - ``get``: asks tier by tier; a hit in a lower tier is promoted (the whole verified entry is copied
   into every tier above) before it is decoded. ``get_meta`` (the read path's lookup) that hits a

@@ -1,6 +1,6 @@
 """Print the installed vLLM's requirements for this machine, minus torch (installed first, pinned) and
 the vision/audio packages vLLM's text path does not need (torchvision fails against the CPU torch).
-Used by ``make vllm-install``: ``python integrations/vllm/requirements.py > reqs.txt``."""
+Used by ``make vllm-install``: ``python .ci/vllm_requirements.py > reqs.txt``."""
 
 from __future__ import annotations
 
