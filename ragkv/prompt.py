@@ -23,6 +23,13 @@ _SENTINEL = "\x00RAGKV-CONTENT\x00"
 DEFAULT_QUESTION = "Answer the question using the documents above. Be brief.\nQuestion: {question}"
 
 
+def document_text(text: str, title: str | None = None) -> str:
+    """The text cached as one chunk for a document with an optional title (the title becomes its
+    first line, and part of its key): the one rule ``ragkv serve`` and ragkv's vLLM renderer share,
+    so a document sent to either hits the same entries."""
+    return f"{title}\n{text}" if title else text
+
+
 def check_window(tokens: int, window: int | None, what: str, hint: str = "") -> None:
     """THE context-window check: ``what`` (a prompt, a context, a chunk behind its sink) of ``tokens``
     tokens fits a model of ``window`` positions (None: no limit known), else a ValueError naming both

@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ragkv.prompt import document_text
 from ragkv.sources import lone_surrogate
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -51,7 +52,7 @@ class Document:
 
     def chunk_text(self) -> str:
         """The text cached as one chunk: a title becomes its first line (and part of its key)."""
-        return f"{self.title}\n{self.text}" if self.title else self.text
+        return document_text(self.text, self.title)
 
 
 @dataclass

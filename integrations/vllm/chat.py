@@ -30,6 +30,7 @@ import json
 
 from ragkv.integrations.vllm.models import uses_ragkv
 from ragkv.prompt import PromptTemplate
+from ragkv.prompt import document_text as prompt_text
 from vllm.renderers.hf import HfRenderer
 from vllm.renderers.inputs.preprocess import parse_dec_only_prompt
 
@@ -47,7 +48,7 @@ def document_text(doc, name: str) -> str:
         text, title = doc, None
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{name} needs a non-empty text")
-    return f"{title}\n{text}" if title else text
+    return prompt_text(text, title)
 
 
 def _content(message: dict, name: str) -> str:
