@@ -19,12 +19,13 @@ the chunks rotated by k, an order no earlier round used: ragkv's store serves ch
 
 Per prompt: --repeats rounds of requests with max_tokens=1, the settings interleaved within each
 round (TTFT = wall time of llm.generate, request in -> first token out, and the process's CPU time
-over the same call; the best of each is kept). Then per setting, in the first round's order:
-free-running greedy answers of --new-tokens tokens (first token and identical leading tokens against
-vLLM's own answer, gold answer in the text) and teacher-forced fidelity: vLLM's own greedy answer
+over the same call; the best of each is kept). Then in every round's chunk order (quality samples =
+prompts x --repeats; one order of 8 prompts is too few: see RESULTS.md), per setting: free-running
+greedy answers of --new-tokens tokens (first token and identical leading tokens against vLLM's own answer, gold answer in the text) and teacher-forced fidelity: vLLM's own greedy answer
 fed as the continuation of the setting's prompt (kv_transfer_params ragkv_prompt_tokens: the
 connector serves the prompt, vLLM computes the answer positions), the share of positions whose top-1
-token is vLLM's own next token (1 for vLLM's own prefill by definition).
+token is vLLM's own next token (1 for vLLM's own prefill by definition), its mean with a 95%
+bootstrap interval over the samples.
 --memory: resident memory of a vLLM process serving the same prompts without the connector and of
 one with it (two child processes of this script, one offline LLM each; VmRSS at the end, VmHWM peak).
 Writes results/vllm.md, results/vllm.json (+ vllm.png with matplotlib).
@@ -43,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+from ragkv.evaluate import bootstrap_ci
 from ragkv.integrations.vllm import CPU_MEMORY_UTILIZATION, kv_transfer_config
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -166,21 +168,23 @@ def bench_prompt(llm, chat: Chat, p: dict, settings, rows: dict, args) -> None:
         ids = chat.ids(p, k)
         for name, extra in settings:
             times[name].append(run(llm, ids, 1, extra, prefix)[0])
-    ids, ref = chat.ids(p), None
-    for name, extra in settings:
-        _, toks, text, info = run(llm, ids, args.new_tokens, extra, prefix)
-        ref = toks if ref is None else ref
-        r = rows[name]
-        r["ttft"].append(min(w for w, _ in times[name]))
-        r["cpu"].append(min(c for _, c in times[name]))
-        r["first"].append(toks[:1] == ref[:1])
-        r["lead"].append(lead(toks, ref))
-        r["answer"].append(p["answer"].lower() in text.lower())
-        r["offered"] += bool(info.get("offered"))
-        r["vllm_cached"].append(info.get("vllm_cached", 0))
-        r["fidelity"].append(teacher_forced(llm, ids, ref, extra, prefix))
-    print(p["id"], len(ids), "tokens", {n: (round(rows[n]["ttft"][-1], 3), round(rows[n]["fidelity"][-1], 3))
-                                        for n, _ in settings}, flush=True)
+    for name, _ in settings:
+        rows[name]["ttft"].append(min(w for w, _ in times[name]))
+        rows[name]["cpu"].append(min(c for _, c in times[name]))
+    for k in range(args.repeats):  # quality in every round's chunk order: prompts x repeats samples
+        ids, ref = chat.ids(p, k), None
+        for name, extra in settings:
+            _, toks, text, info = run(llm, ids, args.new_tokens, extra, prefix)
+            ref = toks if ref is None else ref
+            r = rows[name]
+            r["first"].append(toks[:1] == ref[:1])
+            r["lead"].append(lead(toks, ref))
+            r["answer"].append(p["answer"].lower() in text.lower())
+            r["offered"] += bool(info.get("offered"))
+            r["vllm_cached"].append(info.get("vllm_cached", 0))
+            r["fidelity"].append(teacher_forced(llm, ids, ref, extra, prefix))
+    print(p["id"], len(chat.ids(p)), "tokens", {n: (round(rows[n]["ttft"][-1], 3), rows[n]["fidelity"][-args.repeats:])
+                                               for n, _ in settings}, flush=True)
 
 
 def memory_probe(args) -> None:
@@ -223,17 +227,18 @@ def report(rows: dict, settings, prompts, chat: Chat, args, llm, load0: float, m
              f"{os.getloadavg()[0]:.1f} (other work on the machine)", "",
              "| setting | TTFT median (s) | speed-up | CPU s median | speed-up (CPU) | offered | vLLM cache hit "
              f"(tokens) | first token = vLLM's | identical leading tokens (of {args.new_tokens}) | teacher-forced "
-             "fidelity | gold answer in text |",
+             "fidelity [95% CI] | gold answer in text |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = statistics.median(rows[settings[0][0]]["ttft"])
     base_cpu = statistics.median(rows[settings[0][0]]["cpu"])
-    n = len(prompts)
+    n = len(prompts) * args.repeats  # quality samples: every prompt in every round's chunk order
     for name, _ in settings:
         r = rows[name]
         med, cpu = statistics.median(r["ttft"]), statistics.median(r["cpu"])
+        lo, hi = bootstrap_ci(r["fidelity"])
         lines.append(f"| {name} | {med:.3f} | {base / med:.2f}x | {cpu:.3f} | {base_cpu / cpu:.2f}x | {r['offered']}/{n} | "
                      f"{statistics.mean(r['vllm_cached']):.0f} | {sum(r['first'])}/{n} | {statistics.mean(r['lead']):.1f} | "
-                     f"{statistics.mean(r['fidelity']):.3f} | {sum(r['answer'])}/{n} |")
+                     f"{statistics.mean(r['fidelity']):.3f} [{lo:.3f}, {hi:.3f}] | {sum(r['answer'])}/{n} |")
     if memory:
         plain, ours = memory["plain"], memory["ragkv"]
         lines += ["", "| resident memory of the vLLM process | at the end (MB) | peak (MB) |", "|---|---|---|",
