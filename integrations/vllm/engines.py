@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragkv.blend import BlendConfig, BlendEngine
-from ragkv.blend.config import DEFAULT_SELECTOR
+from ragkv.blend.config import CHAT_SELECTOR
 from ragkv.fingerprint import fingerprint_dir
 from ragkv.keys import Keyspace
 from ragkv.policy import PrecomputePolicy
@@ -31,7 +31,7 @@ class ConnectorSettings:
 
     store: str
     ratio: float | str = 0.15
-    selector: str = DEFAULT_SELECTOR
+    selector: str = CHAT_SELECTOR  # chats with a system prompt of their own (ragkv.blend.config)
     namespace: str = ""
     min_hit_fraction: float = 1.0  # share of chunk tokens that must be stored to offer the K/V
     write_back: bool = True  # prefill and store the chunks of prompts vLLM prefilled itself

@@ -9,6 +9,10 @@ from ragkv.blend.select import DeviationSelector, Selector, make_selector
 
 DEFAULT_RATIO = 0.15
 DEFAULT_SELECTOR = "deviation"  # measured in benchmarks/blend (RESULTS.md)
+# what the chat servers (``ragkv serve``, the vLLM connector) select with: in a chat with a system
+# prompt of its own, `query` is more faithful than `deviation` at equal cost (+0.020 paired on the dev
+# split); in ragkv's own layout the two are at parity (both in benchmarks/blend/RESULTS.md)
+CHAT_SELECTOR = "query"
 DEFAULT_RATIO_FLOOR = 0.15  # the quality floor of ratio="auto"
 
 

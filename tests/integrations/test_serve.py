@@ -18,6 +18,7 @@ from integration_data import DOCS
 from serve_server import ServeProcess
 
 from ragkv.blend import BlendConfig
+from ragkv.blend.config import CHAT_SELECTOR
 from ragkv.store import open_store
 
 MODEL = "tiny"
@@ -78,11 +79,13 @@ def test_repeat_reports_cached_tokens_and_matches_the_library(server, tiny_smoll
     # every chunk token came from the store; the recomputed ones (ratio 0.15) do not count
     assert cached == s2["reused_tokens"] - s2["recomputed_tokens"] > 0
     assert s2["recomputed_tokens"] > 0 and s2["ratio"] == 0.15
-    # the same store read in this process by the library gives the same greedy answer
+    assert s2["selector"] == CHAT_SELECTOR  # (ragkv serve's default)
+    # the same store read in this process by the library, with serve's settings, gives the same greedy answer
     from ragkv.integrations.hf import BlendedGenerator
 
     model, tok = tiny_smollm2
-    gen = BlendedGenerator(model, tok, open_store(f"{server.store},{server.write_store}"), BlendConfig(ratio=0.15))
+    gen = BlendedGenerator(model, tok, open_store(f"{server.store},{server.write_store}"),
+                           BlendConfig(ratio=0.15, selector=CHAT_SELECTOR))
     out = gen.generate("How far can the light be seen?", docs, max_new_tokens=8)
     assert out.hits == 3 and again.choices[0].message.content.strip() == out.text
 
