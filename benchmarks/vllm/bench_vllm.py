@@ -28,7 +28,7 @@ token is vLLM's own next token (1 for vLLM's own prefill by definition), its mea
 bootstrap interval over the samples.
 --memory: resident memory of a vLLM process serving the same prompts without the connector and of
 one with it (two child processes of this script, one offline LLM each; VmRSS at the end, VmHWM peak).
-Writes results/vllm.md, results/vllm.json (+ vllm.png with matplotlib).
+Writes results/vllm.md, results/vllm.json (+ vllm.png with matplotlib); results/vllm-bfloat16.* with --dtype bfloat16.
 On a machine shared with other work, OMP_NUM_THREADS=1 keeps OpenMP's spinning barriers from
 stalling every op of both vLLM and the blend when a core is taken (seen here: 10x slower copies).
 """
@@ -248,7 +248,7 @@ def report(rows: dict, settings, prompts, chat: Chat, args, llm, load0: float, m
     return lines
 
 
-def plot(rows: dict, settings) -> None:
+def plot(rows: dict, settings, stem: str) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -261,7 +261,7 @@ def plot(rows: dict, settings) -> None:
     ax.set_ylabel("median TTFT (s)")
     ax.set_title("vLLM TTFT: RagKVConnector vs vLLM's own prefill")
     fig.tight_layout()
-    fig.savefig(OUT / "vllm.png", dpi=110)
+    fig.savefig(OUT / f"{stem}.png", dpi=110)
 
 
 def main() -> None:
@@ -298,10 +298,11 @@ def main() -> None:
     memory = measure_memory(args) if args.memory else None
     lines = report(rows, settings, prompts, chat, args, llm, load0, memory)
     OUT.mkdir(exist_ok=True)
-    (OUT / "vllm.md").write_text("\n".join(lines) + "\n")
-    (OUT / "vllm.json").write_text(json.dumps({"rows": rows, "memory": memory}, indent=1))
+    stem = "vllm" if args.dtype == "float32" else f"vllm-{args.dtype}"
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.json").write_text(json.dumps({"rows": rows, "memory": memory}, indent=1))
     print("\n".join(lines))
-    plot(rows, settings)
+    plot(rows, settings, stem)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ in each of --repeats rounds, round k with the chunks rotated by k. Before every 
 server's prefix cache is emptied and warmed with the system prompt (POST /reset_prefix_cache, then
 a completion of the prompt's prefix ids), the same for both sides. TTFT = request sent -> response
 received (best of --repeats). The server inherits OMP_NUM_THREADS.
-Writes results/vllm_serve.md and results/vllm_serve.json.
+Writes results/vllm_serve.md and results/vllm_serve.json (results/vllm_serve-bfloat16.* with --dtype bfloat16).
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ def main() -> None:
         lines.append(f"| {name} | {med:.3f} | {base / med:.2f}x | {rows[name]['offered']}/{len(prompts)} | "
                      f"{statistics.mean(rows[name]['vllm_cached']):.0f} |")
     OUT.mkdir(exist_ok=True)
-    (OUT / "vllm_serve.md").write_text("\n".join(lines) + "\n")
-    (OUT / "vllm_serve.json").write_text(json.dumps(rows, indent=1))
+    stem = "vllm_serve" if args.dtype == "float32" else f"vllm_serve-{args.dtype}"
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
 
 
