@@ -21,14 +21,16 @@ Per prompt: --repeats rounds of requests with max_tokens=1, the settings interle
 round (TTFT = wall time of llm.generate, request in -> first token out, and the process's CPU time
 over the same call; the best of each is kept). Then in every round's chunk order (quality samples =
 prompts x --repeats; one order of 8 prompts is too few: see RESULTS.md), per setting: free-running
-greedy answers of --new-tokens tokens (first token and identical leading tokens against vLLM's own answer, gold answer in the text) and teacher-forced fidelity: vLLM's own greedy answer
-fed as the continuation of the setting's prompt (kv_transfer_params ragkv_prompt_tokens: the
+greedy answers of --new-tokens tokens (first token and identical leading tokens against vLLM's own
+answer, gold answer in the text) and teacher-forced fidelity: vLLM's own greedy answer fed as the
+continuation of the setting's prompt (kv_transfer_params ragkv_prompt_tokens: the
 connector serves the prompt, vLLM computes the answer positions), the share of positions whose top-1
 token is vLLM's own next token (1 for vLLM's own prefill by definition), its mean with a 95%
 bootstrap interval over the samples.
 --memory: resident memory of a vLLM process serving the same prompts without the connector and of
 one with it (two child processes of this script, one offline LLM each; VmRSS at the end, VmHWM peak).
-Writes results/vllm.md, results/vllm.json (+ vllm.png with matplotlib); results/vllm-bfloat16.* with --dtype bfloat16.
+Writes results/vllm.md, results/vllm.json (+ vllm.png with matplotlib); results/vllm-bfloat16.*
+with --dtype bfloat16.
 On a machine shared with other work, OMP_NUM_THREADS=1 keeps OpenMP's spinning barriers from
 stalling every op of both vLLM and the blend when a core is taken (seen here: 10x slower copies).
 """
@@ -224,7 +226,7 @@ def report(rows: dict, settings, prompts, chat: Chat, args, llm, load0: float, m
              f"on (warmed with the system prompt before every request), chunked prefill on (budget "
              f"{sched.max_num_batched_tokens}), {torch.get_num_threads()} threads (OMP_NUM_THREADS="
              f"{os.environ.get('OMP_NUM_THREADS', 'unset')}), best of {args.repeats}, load average {load0:.1f} -> "
-             f"{os.getloadavg()[0]:.1f} (other work on the machine)", "",
+             f"{os.getloadavg()[0]:.1f} (its own threads count in it)", "",
              "| setting | TTFT median (s) | speed-up | CPU s median | speed-up (CPU) | offered | vLLM cache hit "
              f"(tokens) | first token = vLLM's | identical leading tokens (of {args.new_tokens}) | teacher-forced "
              "fidelity [95% CI] | gold answer in text |",
