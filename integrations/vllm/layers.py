@@ -152,10 +152,13 @@ class VllmLayers:
             raise _refuse(self.model, f"rotary {type(rot).__name__}: ragkv re-rotates stored keys exactly for "
                                       "RotaryEmbedding and Llama3RotaryEmbedding only")
         inv = rot._compute_inv_freq(rot.base).float().cpu()
-        cache = rot.cos_sin_cache.float().cpu()  # [max positions, rotary_dim]: cos | sin
+        cache = rot.cos_sin_cache.cpu()  # [max positions, rotary_dim]: cos | sin, in the model's dtype
         pos = torch.tensor([1.0, 17.0, float(cache.shape[0] - 1)])
         want = torch.cat([torch.cos(pos[:, None] * inv), torch.sin(pos[:, None] * inv)], dim=-1)
-        if not torch.allclose(want, cache[pos.long()], atol=1e-3):
+        # vLLM rounds its fp32 cache to the model's dtype: compare at that precision (one bf16 step
+        # is 0.008; a scaled rotary differs by whole radians at the last position)
+        tol = max(1e-3, torch.finfo(cache.dtype).eps) if cache.dtype.is_floating_point else 1e-3
+        if not torch.allclose(want, cache[pos.long()].float(), atol=tol):
             raise _refuse(self.model, "its rotary cos/sin cache is not cos/sin of position x the frequencies "
                                       "ragkv computed (a scaled or otherwise changed rotary)")
         return inv.to(self.device)

@@ -200,3 +200,24 @@ def test_other_vllm_releases_and_layer_structures_are_refused_by_name(vllm_model
     assert registered == []
     monkeypatch.undo()
     assert VllmLayers(vllm_model).num_layers == 30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_check_accepts_vllms_own_cache_in_the_model_dtype_and_refuses_a_scaled_one(vllm_model, dtype):
+    """vLLM keeps its rotary cos/sin cache in the model's dtype: a bf16 model's cache is bf16-rounded
+    and must still be recognised (it was refused once, so the connector could not run in bf16), while
+    a rotary whose angles differ (a scaled base) is refused by name."""
+    import copy
+    from types import SimpleNamespace
+
+    from ragkv.adapter import UnsupportedModelError
+    from ragkv.integrations.vllm.layers import VllmLayers
+
+    owner = SimpleNamespace(model=vllm_model, device=torch.device("cpu"))
+    rot = copy.deepcopy(vllm_model.model.layers[0].self_attn.rotary_emb)  # (the fp32 model's)
+    rot.cos_sin_cache = rot.cos_sin_cache.to(dtype)  # what vLLM builds for a model in ``dtype``
+    inv = VllmLayers._inv_freq(owner, rot)
+    assert torch.equal(inv, rot._compute_inv_freq(rot.base).float())
+    rot.base = rot.base * 4  # the cache stays the old base's: the frequencies ragkv would re-rotate with differ
+    with pytest.raises(UnsupportedModelError, match="rotary cos/sin cache"):
+        VllmLayers._inv_freq(owner, rot)
