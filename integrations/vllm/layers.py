@@ -157,7 +157,7 @@ class VllmLayers:
         want = torch.cat([torch.cos(pos[:, None] * inv), torch.sin(pos[:, None] * inv)], dim=-1)
         # vLLM rounds its fp32 cache to the model's dtype: compare at that precision (one bf16 step
         # is 0.008; a scaled rotary differs by whole radians at the last position)
-        tol = max(1e-3, torch.finfo(cache.dtype).eps) if cache.dtype.is_floating_point else 1e-3
+        tol = max(1e-3, torch.finfo(cache.dtype).eps)
         if not torch.allclose(want, cache[pos.long()].float(), atol=tol):
             raise _refuse(self.model, "its rotary cos/sin cache is not cos/sin of position x the frequencies "
                                       "ragkv computed (a scaled or otherwise changed rotary)")
