@@ -9,8 +9,9 @@ template's own prefix: so the first chunk's lead entry was not prefilled behind 
 unlike in ragkv's own layout (benchmarks/blend/bench_blend.py), where it is exact.
 Per sample: HF full prefill's greedy answer (--new-tokens), then per method the blend's teacher-forced
 fidelity against it (ragkv.evaluate.teacher_forced_agreement) and its TTFT. Methods: r0 (naive
-reuse), dev15/dev30 (deviation @ 0.15/0.3), query15, starts15, r1 (full recompute); a ``sys`` prefix (sysdev15) reads a
-second store precomputed behind this very system prompt (``PromptTemplate.for_tokenizer(system=...)``).
+reuse), dev15/dev30 (deviation @ 0.15/0.3), query15, starts15, r1 (full recompute); a ``sys``
+prefix (sysdev15) reads a second store precomputed behind this very system prompt
+(``PromptTemplate.for_tokenizer(system=...)``). The prompts are bench_vllm.load_prompts' pick.
 Prints one line per sample and, last, each method's mean fidelity [95% bootstrap CI] and its paired
 difference to the first blended method. On the connector the same prompts give the same per-prompt
 fidelity (benchmarks/vllm/RESULTS.md), so this runs where vLLM is not needed and is fast.
@@ -19,7 +20,6 @@ fidelity (benchmarks/vllm/RESULTS.md), so this runs where vLLM is not needed and
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
-from bench_vllm import DATA, SYSTEM, rotated
+from bench_vllm import SYSTEM, load_prompts, rotated
 
 from ragkv.blend import BlendEngine
 from ragkv.evaluate import bootstrap_ci, teacher_forced_agreement
@@ -37,16 +37,8 @@ from ragkv.models import load
 from ragkv.prompt import PromptTemplate
 from ragkv.store import open_store
 
-METHODS = {"r0": ("deviation", 0.0), "dev15": ("deviation", 0.15), "dev30": ("deviation", 0.3), "r1": ("deviation", 1.0),
-           "query15": ("query", 0.15), "starts15": ("starts", 0.15)}
-
-
-def prompts_of(split: str, n: int) -> list[dict]:
-    chunks = {c["id"]: c["text"] for c in map(json.loads, (DATA / "chunks.jsonl").open())}
-    rows = [p for p in map(json.loads, (DATA / "prompts.jsonl").open()) if p["split"] == split]
-    if split == "test":  # the vLLM benchmark's pick (bench_vllm.load_prompts): every k-th prompt
-        rows = rows[:: max(1, len(rows) // n)]
-    return [{**p, "contexts": [chunks[c] for c in p["chunks"]]} for p in rows[:n]]
+METHODS = {"r0": ("deviation", 0.0), "dev15": ("deviation", 0.15), "dev30": ("deviation", 0.3),
+           "r1": ("deviation", 1.0), "query15": ("query", 0.15), "starts15": ("starts", 0.15)}
 
 
 def summary(results: dict[str, list[float]], times: dict[str, list[float]]) -> list[str]:
@@ -88,7 +80,7 @@ def main() -> None:
                                     template=PromptTemplate.for_tokenizer(tok, system=SYSTEM))
     a = plain.adapter
     results, times = {m: [] for m in methods}, {m: [] for m in methods}
-    for i, p in enumerate(prompts_of(args.split, args.prompts)):
+    for i, p in enumerate(load_prompts(args.prompts, args.split)):
         for engine in engines.values():
             engine.ensure(p["contexts"])
         for rot in map(int, args.rotations.split(",")):

@@ -62,9 +62,10 @@ SYSTEM = ("You are the research assistant of a technical library. The user gives
           "add advice the user did not ask for.")
 
 
-def load_prompts(n: int) -> list[dict]:
+def load_prompts(n: int, split: str = "test") -> list[dict]:
+    """``n`` prompts of the blend set's ``split``, spread over it (every k-th), with their chunk texts."""
     chunks = {c["id"]: c["text"] for c in map(json.loads, (DATA / "chunks.jsonl").open())}
-    rows = [p for p in map(json.loads, (DATA / "prompts.jsonl").open()) if p["split"] == "test"]
+    rows = [p for p in map(json.loads, (DATA / "prompts.jsonl").open()) if p["split"] == split]
     picked = rows[:: max(1, len(rows) // n)][:n]
     return [{**p, "contexts": [chunks[c] for c in p["chunks"]]} for p in picked]
 
