@@ -70,6 +70,11 @@ def load_prompts(n: int, split: str = "test") -> list[dict]:
     return [{**p, "contexts": [chunks[c] for c in p["chunks"]]} for p in picked]
 
 
+def results_stem(name: str, dtype: str) -> str:
+    """Where a run's results go: ``name`` in float32, ``name-<dtype>`` otherwise (results/)."""
+    return name if dtype == "float32" else f"{name}-{dtype}"
+
+
 def rotated(items: list, k: int) -> list:
     k %= len(items)
     return items[k:] + items[:k]
@@ -301,7 +306,7 @@ def main() -> None:
     memory = measure_memory(args) if args.memory else None
     lines = report(rows, settings, prompts, chat, args, llm, load0, memory)
     OUT.mkdir(exist_ok=True)
-    stem = "vllm" if args.dtype == "float32" else f"vllm-{args.dtype}"
+    stem = results_stem("vllm", args.dtype)
     (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (OUT / f"{stem}.json").write_text(json.dumps({"rows": rows, "memory": memory}, indent=1))
     print("\n".join(lines))

@@ -13,7 +13,8 @@ in each of --repeats rounds, round k with the chunks rotated by k. Before every 
 server's prefix cache is emptied and warmed with the system prompt (POST /reset_prefix_cache, then
 a completion of the prompt's prefix ids), the same for both sides. TTFT = request sent -> response
 received (best of --repeats). The server inherits OMP_NUM_THREADS.
-Writes results/vllm_serve.md and results/vllm_serve.json (results/vllm_serve-bfloat16.* with --dtype bfloat16).
+Writes results/vllm_serve.md and results/vllm_serve.json (results/vllm_serve-bfloat16.* with
+--dtype bfloat16).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vllm import OUT, prepare, rotated  # noqa: E402
+from bench_vllm import OUT, prepare, results_stem, rotated  # noqa: E402
 from vllm_serve import post, server_command, wait_ready  # noqa: E402
 
 
@@ -98,7 +99,7 @@ def main() -> None:
         lines.append(f"| {name} | {med:.3f} | {base / med:.2f}x | {rows[name]['offered']}/{len(prompts)} | "
                      f"{statistics.mean(rows[name]['vllm_cached']):.0f} |")
     OUT.mkdir(exist_ok=True)
-    stem = "vllm_serve" if args.dtype == "float32" else f"vllm_serve-{args.dtype}"
+    stem = results_stem("vllm_serve", args.dtype)
     (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (OUT / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
