@@ -29,13 +29,12 @@ import dataclasses
 import json
 
 from ragkv.integrations.vllm.models import uses_ragkv
-from ragkv.prompt import PromptTemplate
-from ragkv.prompt import document_text as prompt_text
+from ragkv.prompt import PromptTemplate, document_text
 from vllm.renderers.hf import HfRenderer
 from vllm.renderers.inputs.preprocess import parse_dec_only_prompt
 
 
-def document_text(doc, name: str) -> str:
+def read_document(doc, name: str) -> str:
     """The chunk text of one document (string, or {text, title?}); ValueError naming ``name``."""
     if isinstance(doc, dict):
         extra = sorted(set(doc) - {"text", "title"})
@@ -48,7 +47,7 @@ def document_text(doc, name: str) -> str:
         text, title = doc, None
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{name} needs a non-empty text")
-    return prompt_text(text, title)
+    return document_text(text, title)
 
 
 def _content(message: dict, name: str) -> str:
@@ -104,7 +103,7 @@ class RagKVRenderer(HfRenderer):
             raise ValueError("with documents the reply is a new assistant turn (add_generation_prompt, "
                              "no continue_final_message)")
         names = [f"documents[{i}]" for i in range(len(docs))]
-        texts = [document_text(d, n) for d, n in zip(docs, names)]
+        texts = [read_document(d, n) for d, n in zip(docs, names)]
         messages = [{"role": m["role"], "content": _content(m, f"messages[{i}]")} for i, m in enumerate(conversation)]
         if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
             raise ValueError(f"with documents the last message (messages[{len(messages) - 1}]) must be the "
