@@ -191,7 +191,7 @@ def bench_prompt(llm, chat: Chat, p: dict, settings, rows: dict, args) -> None:
             r["offered"] += bool(info.get("offered"))
             r["vllm_cached"].append(info.get("vllm_cached", 0))
             r["fidelity"].append(teacher_forced(llm, ids, ref, extra, prefix))
-    print(p["id"], len(chat.ids(p)), "tokens", {n: (round(rows[n]["ttft"][-1], 3), rows[n]["fidelity"][-args.repeats:])
+    print(p["id"], len(ids), "tokens", {n: (round(rows[n]["ttft"][-1], 3), rows[n]["fidelity"][-args.repeats:])
                                                for n, _ in settings}, flush=True)
 
 
