@@ -553,11 +553,10 @@ def test_exact_caches_make_every_selector_return_full_prefill(selector, attn):
         torch.testing.assert_close(res.logits, full_logits(model, prompt), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [None, 2])
 @pytest.mark.parametrize("q_pos", [[27, 28, 29], [3, 17, 29], [0, 1, 2]])
-def test_probe_attention_is_causal_by_position_and_hands_out_the_probabilities_of_its_last_rows(q_pos, rows):
-    """The probe's attention equals the reference attention by position for every row, and the
-    probabilities it hands out are that attention's, for its last ``rows`` rows (None: all)."""
+def test_probe_attention_is_causal_by_position_and_hands_out_its_probabilities(q_pos):
+    """The probe's explicit attention (masked only where some row cannot see) equals the reference
+    attention by position, and the probabilities it hands out are that attention's."""
     from ragkv.kernels.blend_attention import blend_attention_torch
 
     g = torch.Generator().manual_seed(len(q_pos) + q_pos[0])
@@ -570,16 +569,14 @@ def test_probe_attention_is_causal_by_position_and_hands_out_the_probabilities_o
         layer_idx = 4
 
     out, _ = attention_mod.probe_attention(Layer(), q, k, v, None, scaling=0.3, ragkv_q_pos=pos,
-                                           ragkv_capture=lambda li, probs: seen.update(li=li, probs=probs),
-                                           ragkv_capture_rows=rows)
+                                           ragkv_capture=lambda li, probs: seen.update(li=li, probs=probs))
     ref = blend_attention_torch(q[0], k[0], v[0], pos, sm_scale=0.3)  # [Hq, n, D]
     torch.testing.assert_close(out[0].transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
     logits = torch.einsum("hnd,htd->hnt", q[0], k[0].repeat_interleave(group, 0)) * 0.3
     logits[:, torch.arange(t)[None, :] > pos[:, None]] = float("-inf")
-    last = slice(n - (rows or n), n)
     assert seen["li"] == 4
-    torch.testing.assert_close(seen["probs"], logits.softmax(-1)[:, last], atol=1e-6, rtol=1e-5)
-    assert (seen["probs"][:, torch.arange(t)[None, :] > pos[last, None]] == 0).all()
+    torch.testing.assert_close(seen["probs"], logits.softmax(-1), atol=1e-6, rtol=1e-5)
+    assert (seen["probs"][:, torch.arange(t)[None, :] > pos[:, None]] == 0).all()
 
 
 def test_position_attention_plan_is_built_once_per_active_set(monkeypatch):
@@ -592,10 +589,10 @@ def test_position_attention_plan_is_built_once_per_active_set(monkeypatch):
     monkeypatch.setattr(ops, "blend_attention_plan", lambda q_pos, *a: built.append(q_pos) or real(q_pos, *a))
     rotary, rope_calls = model.model.rotary_emb, []
     monkeypatch.setattr(rotary, "forward", lambda x, position_ids, f=rotary.forward: rope_calls.append(1) or f(x, position_ids))
-    # active sets with a plan: query's probe (the suffix), its selection and the last token; deviation's
-    # two narrowed sets and the last token (its whole-prompt layer 0 is a plain causal prefill). Rotary
-    # embeddings: those and the whole prompt (deviation)
-    for selector, active_sets, ropes in ((QuerySelector(), 3, 3), (DeviationSelector(check_layers=(0, 1)), 3, 4)):
+    # active sets with a plan: query's selection and the last token; deviation's two narrowed sets and the
+    # last token (its whole-prompt layer 0 is a plain causal prefill). Rotary embeddings: those, the
+    # probe's suffix (query) and the whole prompt (deviation)
+    for selector, active_sets, ropes in ((QuerySelector(), 2, 3), (DeviationSelector(check_layers=(0, 1)), 3, 4)):
         eng = BlendEngine(model, None, MemoryStore(), BlendConfig(selector=selector), template=TEMPLATE)
         _store_exact_caches(eng, model, prompt)
         built.clear()
@@ -639,7 +636,7 @@ def test_query_offset_decay_weights_the_question_attention_by_each_tokens_offset
         att = torch.tensor(attention)
         req = SelectionRequest(prefix_len=0, chunk_len=8, total=9, chunk_bounds=((0, 4), (4, 4)), ratio=ratio,
                                num_layers=2, lead=lead,
-                               probe=lambda observe, rows: [observe(li, att.view(1, 1, 8)) for li in range(2)])
+                               probe=lambda observe: [observe(li, att.view(1, 1, 8)) for li in range(2)])
         return QuerySelector(rows=None, offset_decay=starts).schedule(req).start.tolist()
 
     even = [1.0] * 8

@@ -32,34 +32,26 @@ def position_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                    ragkv_q_pos=None, ragkv_plan=None, ragkv_capture=None, ragkv_capture_rows=None, **kwargs):
-    """The probe's attention: a few rows (the suffix) over the whole fused K/V. Its output is
-    ``position_attention``'s (the same kernel); the probabilities of the last ``ragkv_capture_rows``
-    rows (None: every row) are also made explicit and handed to ``ragkv_capture(layer, probs [Hq,
-    rows, T] fp32)``. Only the rows a selector reads are made explicit: logits and softmax over every
-    key cost more per row than the kernel does."""
-    out, _ = position_attention(module, query, key, value, attention_mask, scaling=scaling,
-                                ragkv_q_pos=ragkv_q_pos, ragkv_plan=ragkv_plan)
-    n = query.shape[2]
-    rows = n if ragkv_capture_rows is None else min(ragkv_capture_rows, n)
-    ragkv_capture(module.layer_idx, attention_probs(query[0, :, n - rows :], key[0], ragkv_q_pos[n - rows :], scaling))
-    return out, None
-
-
-def attention_probs(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """q [Hq, n, D] over k [Hkv, T, D] (GQA), causal by position -> probabilities [Hq, n, T] fp32."""
+                    ragkv_q_pos=None, ragkv_capture=None, **kwargs):
+    """The probe's attention: a few rows (the suffix) over the whole fused K/V with the probabilities
+    made explicit, handed to ``ragkv_capture(layer, probs [Hq, n, T] fp32)`` before they weight the
+    values. Causal by position like ``position_attention``; cheap because n is small."""
+    q, k, v = query[0], key[0], value[0]  # [Hq, n, D], [Hkv, T, D]
     hq, n, d = q.shape
     hkv, t = k.shape[0], k.shape[1]
     g = hq // hkv
     scale = d**-0.5 if scaling is None else scaling
     # products in the model's dtype (bf16 runs on the CPU's bf16 units, fp32 accumulation), softmax in
-    # fp32; the scale goes on the n queries, not on the n x T logits
+    # fp32; the scale goes on the n queries, not on the n x T logits (exact for a power of two: d = 64)
     logits = torch.bmm((q * scale).reshape(hkv, g * n, d), k.transpose(1, 2)).float()  # [Hkv, g*n, T]
-    lo = int(q_pos.min()) + 1  # keys before it are seen by every row: only the rest is masked
+    lo = int(ragkv_q_pos.min()) + 1  # keys before it are seen by every row: only the rest is masked
     if lo < t:
-        hidden = torch.arange(lo, t, device=q.device)[None, :] > q_pos.repeat(g)[:, None]
+        hidden = torch.arange(lo, t, device=q.device)[None, :] > ragkv_q_pos.repeat(g)[:, None]
         logits[..., lo:].masked_fill_(hidden, float("-inf"))
-    return logits.softmax(-1).view(hq, n, t)
+    probs = logits.softmax(-1)
+    ragkv_capture(module.layer_idx, probs.view(hq, n, t))
+    out = torch.bmm(probs.to(v.dtype), v).view(hq, n, d)
+    return out.transpose(0, 1).unsqueeze(0), None
 
 
 def causal_mask_by_position(q_pos: torch.Tensor, total: int, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +76,6 @@ class LayerCalls:
         self._for: torch.Tensor | None = None  # the active set the kwargs below were built for
         self._kwargs: dict = {}
         self._rope: tuple[torch.Tensor | None, tuple | None] = (None, None)  # (active set, its cos/sin)
-        self._plan: tuple[torch.Tensor | None, object] = (None, None)  # (active set, its attention plan)
 
     def rope(self, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary (cos, sin) at the positions ``active`` (what its layers are handed)."""
@@ -92,27 +83,18 @@ class LayerCalls:
             self._rope = (active, self.adapter.rope(active, self.dtype))
         return self._rope[1]
 
-    def __call__(self, active: torch.Tensor, capture=None, capture_rows: int | None = None) -> dict:
-        """capture: a probe (``probe_attention`` under every implementation, eager included), handing
-        the probabilities of its last ``capture_rows`` rows (None: all) to ``capture(layer, probs)``."""
+    def __call__(self, active: torch.Tensor, capture=None) -> dict:
         rope = {"position_embeddings": self.rope(active)}
-        if capture is not None:
-            return {"attention": probe_attention, "ragkv_q_pos": active, "ragkv_plan": self.plan(active),
-                    "ragkv_capture": capture, "ragkv_capture_rows": capture_rows, **rope}
+        if capture is not None:  # a probe: ragkv's attention under every implementation (eager included)
+            return {"attention": probe_attention, "ragkv_q_pos": active, "ragkv_capture": capture, **rope}
         if self.is_causal and active.numel() == self.total:  # every position: a plain causal prefill
             return rope
         if self._for is not active:
+            a = self.adapter
             if self.eager:
                 self._kwargs = {"attention_mask": causal_mask_by_position(active, self.total, self.dtype)}
             else:
-                self._kwargs = {"attention": position_attention, "ragkv_q_pos": active,
-                                "ragkv_plan": self.plan(active)}
+                plan = ops.blend_attention_plan(active, self.total, a.num_heads // a.num_kv_heads, self.dtype)
+                self._kwargs = {"attention": position_attention, "ragkv_q_pos": active, "ragkv_plan": plan}
             self._for = active
         return {**self._kwargs, **rope}
-
-    def plan(self, active: torch.Tensor):
-        """``position_attention``'s plan for the active set (built once per active set)."""
-        if self._plan[0] is not active:
-            a = self.adapter
-            self._plan = (active, ops.blend_attention_plan(active, self.total, a.num_heads // a.num_kv_heads, self.dtype))
-        return self._plan[1]

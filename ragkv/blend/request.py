@@ -109,16 +109,16 @@ class BlendRequest:
                 self._recover(seg, loaded[seg.key])
         return loaded
 
-    def _probe(self, observe, rows: int | None = None) -> None:
+    def _probe(self, observe) -> None:
         """The suffix alone through every layer over the fused stored K/V (stale: not yet corrected),
-        ``observe(layer, probs)`` seeing the attention of its last ``rows`` rows (None: all) in each.
-        The fused layers are kept for the pass that follows (the store is read once)."""
+        ``observe(layer, probs)`` seeing its attention in each. The fused layers are kept for the pass
+        that follows (the store is read once)."""
         a, suffix = self.adapter, self.positions[self.P + self.C :]
         self._set_active(suffix)
         hidden = a.embed(self.input_ids[:, suffix])
         for li in range(a.num_layers):
             self._fuse(li, self._take(li, 0), checks={})
-            hidden = a.run_layer(li, hidden, suffix, self.cache, **self.calls(suffix, capture=observe, capture_rows=rows))
+            hidden = a.run_layer(li, hidden, suffix, self.cache, **self.calls(suffix, capture=observe))
 
     def _fuse(self, li: int, loaded: dict | None, checks: dict) -> None:
         tf = time.perf_counter()

@@ -43,9 +43,8 @@ class SelectionRequest:
     num_layers: int
     kv_heads: int = 1
     lead: bool = False  # the first chunk's K/V are exactly full prefill's: its lead entry, prefilled behind this prefix
-    # probe(observe, rows=None): runs the suffix alone through every layer over the fused stored K/V,
-    # calling observe(layer, probs [Hq, rows, T]) with the attention of its last rows (None: all S) in
-    # each; the request keeps what it loaded
+    # probe(observe): runs the suffix alone through every layer over the fused stored K/V, calling
+    # observe(layer, probs [Hq, S, T]) with its attention in each; the request keeps what it loaded
     probe: Callable | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -188,11 +187,12 @@ class QuerySelector(Selector):
         total: list[torch.Tensor] = []
         P, C = req.prefix_len, req.chunk_len
 
-        def observe(layer: int, probs: torch.Tensor) -> None:  # probs [Hq, rows, T]: the last rows only
-            att = probs[:, :, P : P + C].mean(1).mean(0)  # [C]
+        def observe(layer: int, probs: torch.Tensor) -> None:  # probs [Hq, S, T]
+            rows = probs.shape[1] if self.rows is None else min(self.rows, probs.shape[1])
+            att = probs[:, -rows:, P : P + C].mean(1).mean(0)  # [C]
             total.append(att / att.sum().clamp_min(1e-12))
 
-        req.probe(observe, self.rows)
+        req.probe(observe)
         score = torch.stack(total).sum(0)
         if self.offset_decay:
             score = score * (1.0 + req.chunk_offsets().to(score.device, torch.float32)) ** -self.offset_decay
