@@ -226,8 +226,10 @@ class StartsSelector(Selector):
 
 
 # the strategies a user chooses from, each justified by a measurement (benchmarks/blend/RESULTS.md):
-# deviation (the default: best fidelity at r = 0.15 in fp32), query (best in bf16 on the AMX host),
-# starts (nothing to choose at run time: the fastest, for low ratios)
+# deviation (the engine's default: best fidelity at r = 0.15 in fp32 in ragkv's own layout), query
+# (best in bf16 on the AMX host, and the chat servers' default: best in chats with a system prompt of
+# their own), starts (nothing to choose at run time: the fastest, for low ratios); the defaults are
+# ragkv.blend.config's DEFAULT_SELECTOR and CHAT_SELECTOR
 SELECTORS: dict[str, type[Selector]] = {
     DeviationSelector.name: DeviationSelector,
     QuerySelector.name: QuerySelector,
