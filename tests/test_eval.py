@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from ragkv.adapter import ModelAdapter
 from ragkv.answers import exact_match, load_questions, token_f1
 from ragkv.cli import main
-from ragkv.evaluate import bootstrap_ci, divergence_margin, pareto, teacher_forced_logits
+from ragkv.evalreport import margin_from_top
+from ragkv.evaluate import bootstrap_ci, kl_from_top, pareto, teacher_forced_logits, top_logprobs
 
 DOCS = Path(__file__).parents[1] / "examples" / "data" / "docs"
 
@@ -37,14 +38,27 @@ def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
 
 
 def test_divergence_margin_is_full_prefills_lead_at_the_first_difference():
-    ref = torch.tensor([[0.0, 5.0, 1.0, 0.0],
-                        [0.0, 1.0, 3.0, 2.5],
-                        [9.0, 0.0, 0.0, 0.0]])
-    target = torch.tensor([1, 2, 0])  # full prefill's greedy answer: the argmax of each row
-    assert divergence_margin(ref, target, target) is None
-    assert divergence_margin(ref, torch.tensor([1, 3, 0]), target) == pytest.approx(0.5)  # a near-tie
-    assert divergence_margin(ref, torch.tensor([2, 2, 0]), target) == pytest.approx(4.0)  # a sure call overturned
-    assert divergence_margin(ref, torch.tensor([1, 2]), target) is None  # stopped early: nothing to compare
+    # full prefill's top teacher-forced logits per answer position, best first: [ids, logits]
+    top = [[[1, 2, 0], [5.0, 1.0, 0.0]],
+           [[2, 3, 1], [3.0, 2.5, 1.0]],
+           [[0, 1, 2], [9.0, 0.0, 0.0]]]
+    target = [1, 2, 0]  # full prefill's greedy answer: the best of each row
+    assert margin_from_top(top, target, target) is None
+    assert margin_from_top(top, [1, 3, 0], target) == pytest.approx(0.5)  # a near-tie
+    assert margin_from_top(top, [2, 2, 0], target) == pytest.approx(4.0)  # a sure call overturned
+    assert margin_from_top(top, [1, 2], target) is None  # stopped early: nothing to compare
+    assert margin_from_top(top, [1, 7, 0], target) == pytest.approx(2.0)  # outside the kept top: a lower bound
+
+
+def test_kl_over_the_top_tokens_and_a_tail_bin_bounds_the_exact_kl_from_below():
+    torch.manual_seed(0)
+    p, q = torch.randn(1000) * 3, torch.randn(1000) * 3
+    exact = float((torch.softmax(p.double(), -1) * (torch.log_softmax(p.double(), -1)
+                                                   - torch.log_softmax(q.double(), -1))).sum())
+    assert kl_from_top(top_logprobs(p, 1000), q) == pytest.approx(exact, rel=1e-5)  # every token kept: exact
+    few = kl_from_top(top_logprobs(p, 20), q)
+    assert 0.5 * exact < few <= exact + 1e-9  # merging the tail never raises it
+    assert kl_from_top(top_logprobs(p, 20), p) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_pareto_front_keeps_what_nothing_beats_on_both_ttft_and_fidelity():
@@ -107,7 +121,8 @@ def test_eval_cli_reports_every_method(tmp_path):
     out = tmp_path / "report.json"
     r = subprocess.run(
         [sys.executable, "-m", "ragkv.cli", "eval", "--questions", str(q), "--store", f"disk://{tmp_path}/s",
-         "--ratios", "0,0.15,1,auto", "--tokens", "16", "--json", str(out), "--model-dtype", "float32"],
+         "--ratios", "0,0.15,1,auto", "--tokens", "16", "--json", str(out), "--model-dtype", "float32",
+         "--time-sequential", "--cache", str(tmp_path / "cache")],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]

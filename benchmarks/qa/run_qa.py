@@ -1,16 +1,20 @@
-"""Answer quality on HotpotQA (distractor dev): full prefill, naive reuse and the blend at several
-ratios, through `ragkv eval` itself, then the report (report.py).
+"""Answer quality on multi-hop QA (HotpotQA, MuSiQue, 2WikiMultihopQA): full prefill, naive reuse
+and blended methods, through `ragkv eval` itself, then the report (report.py).
 
-    python benchmarks/qa/run_qa.py --model qwen2.5-coder-0.5b --dtype float32
-    python benchmarks/qa/run_qa.py --model smollm2-135m --dtype auto --limit 3 --out /tmp/qa   # a smoke run
+    python benchmarks/qa/run_qa.py --model qwen2.5-coder-0.5b                         # every question
+    python benchmarks/qa/run_qa.py --model qwen2.5-coder-0.5b --sample 40 --seed 1 \\
+        --selectors deviation,query --ratios 0,0.15,0.3 --tag dev40                     # a dev subset
+    python benchmarks/qa/run_qa.py --model smollm2-135m --datasets hotpotqa --sample 3 --out /tmp/qa   # smoke
 
-One question = its 10 Wikipedia paragraphs, one paragraph = one chunk, in the dataset's order (2 gold +
-8 distractors). Chunk K/V live in a disk store (default $RAGKV_HOME/qa-store) under the default
-precompute policy; every method is measured against HF full prefill in the same dtype on the same
-machine. Methods: full prefill, naive reuse (r = 0), deviation and starts at r = 0.05 / 0.1 / 0.15 / 0.3.
-Writes <out>/qa-<model>-<dtype>.json (the `ragkv eval` report plus "meta": command, machine) and
-regenerates every table and the plot in <out> (report.py). Long: on a 2-core CPU the 25 questions take
-about an hour for Qwen2.5-Coder-0.5B in float32; run it on a quiet machine.
+One question = its paragraphs (HotpotQA and 2Wiki 10, MuSiQue 20), one paragraph = one chunk, in the
+dataset's order. Step 1, untimed: the chunk K/V of the questions evaluated are precomputed into a disk
+store (default $RAGKV_HOME/qa-store) under the precompute policy given (default: ragkv's), each
+chunk's neighbours (``--context``) chosen among every paragraph of its dataset's file, never by the
+question. Step 2: `ragkv eval` over the datasets, with its per-question cache (default
+$RAGKV_HOME/eval-cache): full prefill's references are computed once per question, model, dtype and
+machine, every method's outcome once per setting, and each is written as it is computed, so a killed
+run resumes and a run with new methods computes only those. Writes <out>/qa-<model>-<dtype>[-<tag>].json
+(the `ragkv eval` report plus "meta": command, machine) and regenerates the tables and plots (report.py).
 """
 
 from __future__ import annotations
@@ -22,15 +26,13 @@ import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-DATA = HERE / "data" / "hotpotqa_distractor_dev.jsonl"
-RATIOS = "0,0.05,0.1,0.15,0.3"
-SELECTORS = "deviation,starts"
+DATASETS = {"hotpotqa": HERE / "data" / "hotpotqa.jsonl", "musique": HERE / "data" / "musique.jsonl",
+            "2wikimqa": HERE / "data" / "2wikimqa.jsonl"}
 # LongBench-style: ask for the bare answer, as QA benchmarks score it (ragkv's default question format
 # asks to "be brief", and both models then answer in a sentence: "Yes, both were American." scores 0
 # against "yes" under HotpotQA's rule). Only the prompt's suffix: no cache key depends on it.
@@ -43,12 +45,48 @@ def cpu_name() -> str:
     from ragkv.models import fast_bf16_cpu
 
     name = platform.processor() or "unknown CPU"
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+            lines = f.read().splitlines()
+        name = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), name)
+        flags = set(next((x.split(":", 1)[1] for x in lines if x.startswith("flags")), "").split())
     except OSError:
         pass
-    return f"{name}, {os.cpu_count()} cores, {'native bf16' if fast_bf16_cpu() else 'no native bf16 (fp32 fastest)'}"
+    isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    return (f"{name} ({isa}), {os.cpu_count()} cores, "
+            f"{'native bf16' if fast_bf16_cpu() else 'no native bf16 (fp32 fastest)'}")
+
+
+def precompute(args, dtype: str, store: str) -> None:
+    """Store the chunk entries the evaluated questions need (untimed), neighbours from each dataset's
+    whole file."""
+    from ragkv.answers import load_questions
+    from ragkv.evaluate import sample_questions
+    from ragkv.spec import EngineSpec
+    from ragkv.store import open_store
+
+    with open_store(store) as st:
+        spec = EngineSpec(args.model, dtype, context=args.context, lead=not args.no_lead)
+        pre = spec.prefiller(st)
+        for name in args.datasets:
+            all_qs = load_questions(DATASETS[name])
+            corpus = pre.template.chunks([c for q in all_qs for c in q.contexts], pre.adapter.max_positions)
+            qs = sample_questions(all_qs, args.sample, args.seed)
+            t0, done = time.time(), 0
+            for lo in range(0, len(qs), 8):  # a few questions per forward batch: bounded memory
+                entries, seen = [], set()
+                for q in qs[lo : lo + 8]:
+                    for ids in pre.template.chunks(q.contexts, pre.adapter.max_positions):
+                        for key, kind in pre.keys.entry_keys(ids):
+                            if key not in seen and not st.contains(key):
+                                seen.add(key)
+                                entries.append((key, ids, kind))
+                if entries:
+                    pre.compute(entries, pool=corpus)
+                done += len(entries)
+                print(f"  precompute {name}: {min(lo + 8, len(qs))}/{len(qs)} questions, {done} entries computed, "
+                      f"{time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -56,44 +94,60 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="smollm2-135m, qwen2.5-coder-0.5b, ... or a dir")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="model dtype (auto: the machine's fastest)")
-    ap.add_argument("--questions", default=str(DATA), help="JSONL of {question, contexts, answer}")
-    ap.add_argument("--limit", type=int, default=None, help="only the first N questions (smoke runs)")
+    ap.add_argument("--datasets", default=",".join(DATASETS), help=f"comma-separated, of {', '.join(DATASETS)}")
+    ap.add_argument("--sample", type=int, default=None, help="N questions per dataset (seeded)  [default: all]")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--selectors", default=None, help="ragkv eval --selectors  [default: ragkv's default]")
+    ap.add_argument("--ratios", default=None, help="ragkv eval --ratios  [default: 0 and the default ratio]")
+    ap.add_argument("--context", type=int, default=None, help="precompute policy: neighbour chunks  [default: ragkv's]")
+    ap.add_argument("--no-lead", action="store_true", help="precompute policy: no lead entries")
     ap.add_argument("--store", default=None, help="store URI  [default: disk://$RAGKV_HOME/qa-store]")
+    ap.add_argument("--cache", default=None, help="ragkv eval --cache  [default: $RAGKV_HOME/eval-cache]")
+    ap.add_argument("--fresh", action="store_true", help="ragkv eval --fresh: recompute cached methods")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per method and question (median)")
-    ap.add_argument("--out", default=str(HERE / "results"), help="folder of the JSON reports, tables and plot")
+    ap.add_argument("--tag", default=None, help="suffix of the report's name (qa-<model>-<dtype>-<tag>.json)")
+    ap.add_argument("--out", default=str(HERE / "results"), help="folder of the JSON reports, tables and plots")
     args = ap.parse_args()
+    args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    unknown = [d for d in args.datasets if d not in DATASETS]
+    if unknown or not args.datasets:
+        ap.error(f"unknown dataset(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(DATASETS)}")
 
     from ragkv.gguf import ragkv_home
     from ragkv.models import parse_dtype
+    from ragkv.policy import PrecomputePolicy
 
+    args.context = PrecomputePolicy.context if args.context is None else args.context
     dtype = str(parse_dtype(args.dtype)).removeprefix("torch.")
     store = args.store or f"disk://{ragkv_home() / 'qa-store'}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report_path = out / f"qa-{Path(args.model).name}-{dtype}{'' if args.limit is None else f'-n{args.limit}'}.json"
-    with tempfile.TemporaryDirectory() as tmp:
-        questions = Path(args.questions)
-        if args.limit is not None:
-            lines = [line for line in questions.read_text().splitlines() if line.strip()][: args.limit]
-            questions = Path(tmp) / "questions.jsonl"
-            questions.write_text("\n".join(lines) + "\n")
-        cmd = [sys.executable, "-m", "ragkv.cli", "eval", "--questions", str(questions), "--model", args.model,
-               "--model-dtype", dtype, "--store", store, "--ratios", RATIOS, "--selectors", SELECTORS,
-               "--question-format", QUESTION_FORMAT, "--repeats", str(args.repeats), "--json", str(report_path)]
-        report_path.unlink(missing_ok=True)  # (a report left by an earlier run must not pass for this one)
-        print("$", _sh(cmd), flush=True)
-        t0 = time.time()
-        r = subprocess.run(cmd)
-        if r.returncode not in (0, 1) or not report_path.is_file() or report_path.stat().st_size == 0:
-            sys.exit(f"ragkv eval failed (exit {r.returncode}) and wrote no report; its message is above")
+    report_path = out / f"qa-{Path(args.model).name}-{dtype}{'' if args.tag is None else f'-{args.tag}'}.json"
+    t0 = time.time()
+    precompute(args, dtype, store)
+    cmd = [sys.executable, "-m", "ragkv.cli", "eval"]
+    for name in args.datasets:
+        cmd += ["--questions", str(DATASETS[name])]
+    cmd += ["--model", args.model, "--model-dtype", dtype, "--store", store, "--context", str(args.context),
+            "--question-format", QUESTION_FORMAT, "--repeats", str(args.repeats)]
+    cmd += ["--no-lead"] if args.no_lead else []
+    for flag, value in (("--sample", args.sample), ("--seed", args.sample and args.seed), ("--selectors", args.selectors),
+                        ("--ratios", args.ratios), ("--cache", args.cache)):
+        cmd += [flag, str(value)] if value is not None else []
+    cmd += ["--fresh"] if args.fresh else []
+    cmd += ["--json", str(report_path)]
+    report_path.unlink(missing_ok=True)  # (a report left by an earlier run must not pass for this one)
+    print("$", _sh(cmd), flush=True)
+    r = subprocess.run(cmd)
+    if r.returncode not in (0, 1) or not report_path.is_file() or report_path.stat().st_size == 0:
+        sys.exit(f"ragkv eval failed (exit {r.returncode}) and wrote no report; its message is above")
     report = json.loads(report_path.read_text())
     import torch
 
+    shown = [_shown(Path(c)) if c.endswith(".jsonl") or c.endswith(".json") else c for c in cmd[3:]]
     report["meta"] = {
         "command": _sh(["python", "benchmarks/qa/run_qa.py", *sys.argv[1:]]),
-        "eval_command": _sh(["ragkv", *cmd[3:5], _shown(Path(args.questions)), *cmd[6:-1], _shown(report_path)])
-        + ("" if args.limit is None else f"  (the first {args.limit} questions)"),
-        "questions_file": _shown(Path(args.questions)), "limit": args.limit,
+        "eval_command": _sh(["ragkv", *shown]), "datasets": args.datasets,
         "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - t0, 1),
     }

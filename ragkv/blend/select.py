@@ -237,6 +237,58 @@ SELECTORS: dict[str, type[Selector]] = {
 }
 
 
+def parse_selector(spec: str) -> Selector:
+    """A selector from text: a registered name, optionally with settings as ``name:field=value:...``
+    (``query:rows=32:offset_decay=0``); values are read as int, float, ``none`` or ``all`` (None), or
+    text. Unknown names and fields, and values the selector refuses, are ValueErrors naming them."""
+    import dataclasses
+
+    name, *settings = spec.strip().split(":")
+    if name not in SELECTORS:
+        raise ValueError(f"unknown selector {name!r}; valid: {', '.join(SELECTORS)}")
+    cls = SELECTORS[name]
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    kwargs = {}
+    for item in settings:
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"selector {name!r}: {item!r} is not a setting (valid: {', '.join(sorted(fields)) or 'none'})")
+        kwargs[key] = _setting(value)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"selector {name!r}: {e}") from None
+
+
+def _setting(text: str):
+    if text.lower() in ("none", "all"):
+        return None
+    if "," in text:
+        return tuple(_setting(t) for t in text.split(",") if t)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def selector_label(selector: Selector) -> str:
+    """The selector's name with the settings that differ from its defaults, as ``parse_selector``
+    reads them back (``query:rows=32``)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(selector):
+        return selector.name
+    parts = [selector.name]
+    for f in dataclasses.fields(selector):
+        value = getattr(selector, f.name)
+        if f.default is not dataclasses.MISSING and value != f.default:
+            text = ",".join(map(str, value)) + ("," if len(value) == 1 else "") if isinstance(value, tuple) else value
+            parts.append(f"{f.name}={'none' if value is None else text}")
+    return ":".join(parts)
+
+
 def make_selector(selector: Selector | str) -> Selector:
     """A Selector instance from an instance or a registered name (default settings)."""
     if isinstance(selector, Selector):

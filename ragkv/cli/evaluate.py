@@ -34,37 +34,73 @@ def _question_format(text: str) -> str:
 
 
 def _selectors(names: str, signal: str, check_layers: str | None) -> list:
-    """Selector instances for --selectors; --signal/--check-layers configure the deviation selector."""
-    from ragkv.blend.select import SELECTORS, DeviationSelector
+    """Selector instances for --selectors (each ``name`` or ``name:field=value:...``); --signal and
+    --check-layers configure a plain ``deviation``."""
+    from dataclasses import replace
+
+    from ragkv.blend.select import DeviationSelector, parse_selector
 
     out = []
-    for name in (n.strip() for n in names.split(",") if n.strip()):
-        if name not in SELECTORS:
-            raise click.BadParameter(f"unknown selector {name!r}; valid: {', '.join(SELECTORS)}",
-                                     param_hint="--selectors")
-        if name == DeviationSelector.name:
-            try:
+    for spec in (n.strip() for n in names.split(",") if n.strip()):
+        try:
+            sel = parse_selector(spec)
+            if spec == DeviationSelector.name:
                 layers = None if check_layers is None else tuple(int(x) for x in check_layers.split(",") if x.strip())
-                out.append(DeviationSelector(check_layers=layers, signal=signal))
-            except ValueError as e:
-                raise click.BadParameter(str(e), param_hint="--check-layers") from None
-        else:
-            out.append(SELECTORS[name]())
+                sel = replace(sel, check_layers=layers, signal=signal)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--check-layers" if "check" in str(e) else "--selectors") from None
+        out.append(sel)
     if not out:
         raise click.BadParameter("give at least one selector", param_hint="--selectors")
     return out
 
 
+class _Progress:
+    """One line per question on stderr with the ETA, from the time of the questions that were computed
+    (cached ones cost nothing); on a terminal the line is rewritten in place."""
+
+    def __init__(self, total_label: str):
+        import time
+
+        self.clock, self.t0, self.busy, self.computed, self.label = time.monotonic, time.monotonic(), 0.0, 0, total_label
+        self.last = self.t0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, i: int, n: int, computed: bool) -> None:
+        now = self.clock()
+        if computed:
+            self.busy += now - self.last
+            self.computed += 1
+        self.last = now
+        eta = (n - i) * self.busy / self.computed if self.computed else 0.0
+        bar = "#" * int(24 * i / n)
+        line = (f"  [{bar:<24}] {i}/{n} questions{self.label}  {_hms(now - self.t0)} elapsed, "
+                f"ETA {_hms(eta) if self.computed or i == n else '?'}  ({i - self.computed} from the cache)")
+        click.echo(("\r" + line) if self.tty else line, err=True, nl=not self.tty or i == n)
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
 @click.command("eval")
-@click.option("--questions", "questions_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="JSONL: one {question, contexts: [chunk, ...], answer?: str | [str]} per line (or "
-                   "answers: [str]); with gold answers, exact match and token F1 are reported.")
+@click.option("--questions", "questions_paths", required=True, multiple=True,
+              type=click.Path(exists=True, dir_okay=False),
+              help="JSONL: one {question, contexts: [chunk, ...], answer?: str | [str], type?: str} per line (or "
+                   "answers: [str]); with gold answers, exact match and token F1 are reported. Repeat it for "
+                   "several datasets: each is reported on its own (by file name) and pooled.")
+@click.option("--sample", type=click.IntRange(1, None), default=None,
+              help="Evaluate N questions drawn from each questions file (seeded by --seed), in file order.")
+@click.option("--seed", default=0, show_default=True, help="Seed of --sample.")
 @model_options
 @click.option("--store", "store_uris", required=True, envvar="RAGKV_STORE", help=STORE_HELP)
-@click.option("--ratios", default="0,0.15,0.3,1", show_default=True,
-              help="Comma-separated recompute ratios; 'auto' = the loading controller's choice.")
-@click.option("--selectors", default="deviation", show_default=True,  # (ragkv.blend.config.DEFAULT_SELECTOR)
-              help="Comma-separated selection strategies, measured side by side (deviation, query, starts).")
+@click.option("--ratios", default=None,
+              help="Comma-separated recompute ratios (0 = naive reuse); 'auto' = the loading controller's choice  "
+                   "[default: 0 and the default ratio, ragkv.blend.config.DEFAULT_RATIO]")
+@click.option("--selectors", default=None,
+              help="Comma-separated selection strategies, measured side by side (deviation, query, starts)  "
+                   "[default: the default one, ragkv.blend.config.DEFAULT_SELECTOR]")
 @click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True,
               help="deviation selector: which deviation scores tokens.")
 @click.option("--check-layers", default=None, help="deviation selector: check layers (default: 1,3,6 gradual).")
@@ -79,43 +115,63 @@ def _selectors(names: str, signal: str, check_layers: str | None) -> list:
                    "key), e.g. an instruction to answer briefly  [default: ragkv.prompt.DEFAULT_QUESTION]")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, None),
               help="Timed runs per method and question (median).")
+@click.option("--time-sequential", is_flag=True,
+              help="Also time every blend with layers read in the compute thread (doubles the blends' cost).")
+@click.option("--cache", "cache_dir", default=None, envvar="RAGKV_EVAL_CACHE",
+              help="Folder of per-question results (full prefill's references, each method's outcomes), "
+                   "written as they are computed: a rerun computes only what is missing and a killed run "
+                   "resumes; 'none' keeps nothing (env RAGKV_EVAL_CACHE)  [default: $RAGKV_HOME/eval-cache]")
+@click.option("--fresh", is_flag=True, help="Compute everything again (e.g. after changing the read path); "
+                                            "the new results replace the cached ones.")
 @click.option("--namespace", default="", help="Cache namespace (salt).")
 @click.option("--json", "json_out", default=None, callback=lambda c, p, v: v and writable(v),
               help="Also write the report here.")
-def eval_cmd(questions_path, model_name, model_dtype, store_uris, ratios, selectors, signal, check_layers, sink, gap,
-             context, lead, n_tokens, answer_tokens, question_format, repeats, namespace, json_out):
-    """Measure how faithful blending is to full prefill on your own questions, and with gold answers
-    how right each method's answers are (exact match, token F1).
+def eval_cmd(questions_paths, sample, seed, model_name, model_dtype, store_uris, ratios, selectors, signal,
+             check_layers, sink, gap, context, lead, n_tokens, answer_tokens, question_format, repeats,
+             time_sequential, cache_dir, fresh, namespace, json_out):
+    """Measure how faithful blending is to full prefill on your own questions: how often the answer
+    stays full prefill's, and with gold answers how right each method's answers are (exact match,
+    token F1), per dataset and per question type. Without --selectors/--ratios: full prefill, naive
+    reuse and the default.
 
     Exit status 1 when some question could not be evaluated (the others are reported)."""
     from dataclasses import replace
 
     from ragkv.answers import load_questions
     from ragkv.blend import BlendConfig
-    from ragkv.evaluate import evaluate, format_table
+    from ragkv.blend.config import DEFAULT_RATIO, DEFAULT_SELECTOR
+    from ragkv.evalcache import EvalCache
+    from ragkv.evaluate import evaluate, format_table, sample_questions
+    from ragkv.gguf import ragkv_home
 
-    ratio_list = ratios_of(ratios)
-    sels = _selectors(selectors, signal, check_layers)
+    ratio_list = ratios_of(f"0,{DEFAULT_RATIO}" if ratios is None else ratios)
+    sels = _selectors(DEFAULT_SELECTOR if selectors is None else selectors, signal, check_layers)
+    names = [Path(p).stem for p in questions_paths]
+    if len(set(names)) < len(names):
+        raise click.BadParameter(f"two questions files share a name ({', '.join(names)}): each names its "
+                                 "dataset in the report", param_hint="--questions")
     try:
-        qs = load_questions(questions_path)
+        qs = [q for p in questions_paths for q in sample_questions(load_questions(p), sample, seed)]
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    try:
+        cache = EvalCache(None if cache_dir == "none" else (cache_dir or ragkv_home() / "eval-cache"), fresh=fresh)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--cache") from None
     with open_store(store_uris) as store:
         check_tiers([store])
         engine = build(model_name, model_dtype, store, BlendConfig(selector=sels[0]), sink=sink, gap=gap,
                        namespace=namespace, context=context, lead=lead)
         if question_format is not None:  # the suffix only: chunk and prefix keys do not depend on it
             engine.template = replace(engine.template, question_format=question_format)
-
-        def progress(i, n):
-            click.echo(f"  question {i}/{n}", err=True)
-
         try:
             report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, max_new_tokens=answer_tokens,
-                              repeats=repeats, progress=progress, selectors=sels)
+                              repeats=repeats, progress=_Progress(f" ({', '.join(names)})"), selectors=sels,
+                              cache=cache, time_sequential=time_sequential)
         except ValueError as e:  # e.g. a check layer beyond the model's depth
             raise click.ClickException(str(e)) from None
     report["model"], report["model_dtype"], report["store"] = model_name, str(engine.adapter.dtype), store.uri
+    report["sample"], report["seed"] = sample, seed
     click.echo(format_table(report))
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
