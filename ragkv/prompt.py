@@ -21,6 +21,11 @@ except ImportError:  # transformers renders chat templates with jinja2: without 
 
 _SENTINEL = "\x00RAGKV-CONTENT\x00"
 DEFAULT_QUESTION = "Answer the question using the documents above. Be brief.\nQuestion: {question}"
+# LongBench-style: ask for the bare answer, as QA benchmarks score it (with DEFAULT_QUESTION small models
+# answer in a sentence, which EM/F1 score near 0: "Yes, both were American." is 0 against "yes").
+# What benchmarks/qa and the demo ask with (``ragkv eval --question-format``).
+ANSWER_ONLY_QUESTION = ("Answer the question based on the documents above. Only give me the answer and do not output "
+                        "any other words.\nQuestion: {question}")
 
 
 def document_text(text: str, title: str | None = None) -> str:

@@ -29,15 +29,12 @@ import sys
 import time
 from pathlib import Path
 
+from ragkv.prompt import ANSWER_ONLY_QUESTION as QUESTION_FORMAT  # the bare answer, as QA benchmarks score it
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 DATASETS = {"hotpotqa": HERE / "data" / "hotpotqa.jsonl", "musique": HERE / "data" / "musique.jsonl",
             "2wikimqa": HERE / "data" / "2wikimqa.jsonl"}
-# LongBench-style: ask for the bare answer, as QA benchmarks score it (ragkv's default question format
-# asks to "be brief", and both models then answer in a sentence: "Yes, both were American." scores 0
-# against "yes" under HotpotQA's rule). Only the prompt's suffix: no cache key depends on it.
-QUESTION_FORMAT = ("Answer the question based on the documents above. Only give me the answer and do not output "
-                   "any other words.\nQuestion: {question}")
 
 
 def cpu_name() -> str:
