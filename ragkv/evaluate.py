@@ -54,7 +54,7 @@ from ragkv.evalcache import EVAL_FORMAT, EvalCache, digest, machine_id
 from ragkv.evalreport import agreeing_prefix, bootstrap_ci, format_table, pareto, summarize
 
 __all__ = ["agreeing_prefix", "bootstrap_ci", "divergence_margin", "evaluate", "format_table", "kl_divergence",
-           "methods_of", "pareto", "sample_questions"]
+           "methods_of", "pareto", "parse_methods", "sample_questions"]
 
 TOP_FIRST = 256  # full prefill's first-token log-probs kept for KL
 TOP_TF = 16  # full prefill's teacher-forced logits kept per answer position for the divergence margin
@@ -135,6 +135,29 @@ def methods_of(selectors: Sequence[Selector | str], ratios: Sequence[float | str
     return out
 
 
+def parse_methods(text: str) -> dict[str, tuple]:
+    """label -> (selector, ratio) from explicit methods, space-separated: ``0`` (naive reuse), ``1``
+    (everything recomputed), ``<selector>@<ratio>`` with the selector as ``parse_selector`` reads it
+    (``query:correct=v@0.15``). Labels are as ``methods_of`` gives them for several selectors."""
+    from ragkv.blend.config import DEFAULT_SELECTOR, parse_ratio
+    from ragkv.blend.select import parse_selector
+
+    out: dict[str, tuple] = {}
+    for item in text.split():
+        spec, at, r = item.rpartition("@")
+        ratio = parse_ratio(r, f"the ratio of method {item!r}")
+        if not at:
+            if ratio not in (0.0, 1.0):
+                raise ValueError(f"method {item!r}: name its selector (<selector>@{r}); only 0 and 1 stand alone")
+            out[_label(ratio)] = (make_selector(DEFAULT_SELECTOR), ratio)
+            continue
+        sel = parse_selector(spec)
+        out[f"{selector_label(sel)}@{_label(ratio)}"] = (sel, ratio)
+    if not out:
+        raise ValueError("give at least one method")
+    return out
+
+
 def sample_questions(questions: Sequence[Question], n: int | None, seed: int = 0) -> list[Question]:
     """``n`` questions drawn without replacement (seeded), in their original order; all when ``n``
     is None or at least their number."""
@@ -157,6 +180,7 @@ def evaluate(
     selectors: Sequence[Selector | str] | None = None,
     cache: EvalCache | None = None,
     time_sequential: bool = False,
+    methods: dict[str, tuple] | None = None,
 ) -> dict:
     """Run every method on every question; return ``{"methods": {"full": {...}, "0.15": {...}},
     "groups": {...}, ...}``. Each method generates one greedy answer per question, up to the end of
@@ -164,10 +188,11 @@ def evaluate(
     answers): its first ``n_tokens`` are compared with full prefill's, the whole is scored against the
     gold answers. ``cache``: where records are kept (default: in memory, for this call only).
     ``progress(i, n, computed)`` after each question (``computed``: not all from the cache).
-    ``time_sequential``: also time each blend with layers read in the compute thread."""
+    ``time_sequential``: also time each blend with layers read in the compute thread. ``methods``:
+    label -> (selector, ratio) (``parse_methods``), instead of ``selectors`` x ``ratios``."""
     if repeats < 1 or n_tokens < 1 or max_new_tokens < 1:
         raise ValueError("repeats, n_tokens and max_new_tokens must be >= 1")
-    methods = methods_of(selectors or [engine.config.selector], ratios)
+    methods = methods or methods_of(selectors or [engine.config.selector], ratios)
     for selector, _ in methods.values():
         selector.check(engine.adapter.num_layers)
     cache = cache or EvalCache(None)

@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--selectors", default=None, help="ragkv eval --selectors  [default: ragkv's default]")
     ap.add_argument("--ratios", default=None, help="ragkv eval --ratios  [default: 0 and the default ratio]")
+    ap.add_argument("--methods", default=None, help="ragkv eval --methods (instead of --selectors/--ratios)")
     ap.add_argument("--context", type=int, default=None, help="precompute policy: neighbour chunks  [default: ragkv's]")
     ap.add_argument("--no-lead", action="store_true", help="precompute policy: no lead entries")
     ap.add_argument("--store", default=None, help="store URI  [default: disk://$RAGKV_HOME/qa-store]")
@@ -129,7 +130,7 @@ def main() -> None:
             "--question-format", QUESTION_FORMAT, "--repeats", str(args.repeats)]
     cmd += ["--no-lead"] if args.no_lead else []
     for flag, value in (("--sample", args.sample), ("--seed", args.sample and args.seed), ("--selectors", args.selectors),
-                        ("--ratios", args.ratios), ("--cache", args.cache)):
+                        ("--ratios", args.ratios), ("--methods", args.methods), ("--cache", args.cache)):
         cmd += [flag, str(value)] if value is not None else []
     cmd += ["--fresh"] if args.fresh else []
     cmd += ["--json", str(report_path)]

@@ -101,6 +101,9 @@ def _hms(seconds: float) -> str:
 @click.option("--selectors", default=None,
               help="Comma-separated selection strategies, measured side by side (deviation, query, starts)  "
                    "[default: the default one, ragkv.blend.config.DEFAULT_SELECTOR]")
+@click.option("--methods", "method_specs", default=None,
+              help="Explicit methods instead of --selectors x --ratios, space-separated: 0 (naive reuse), 1, "
+                   "<selector>@<ratio> (e.g. '0 deviation@0.15 query:correct=v@0.3').")
 @click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True,
               help="deviation selector: which deviation scores tokens.")
 @click.option("--check-layers", default=None, help="deviation selector: check layers (default: 1,3,6 gradual).")
@@ -126,7 +129,7 @@ def _hms(seconds: float) -> str:
 @click.option("--namespace", default="", help="Cache namespace (salt).")
 @click.option("--json", "json_out", default=None, callback=lambda c, p, v: v and writable(v),
               help="Also write the report here.")
-def eval_cmd(questions_paths, sample, seed, model_name, model_dtype, store_uris, ratios, selectors, signal,
+def eval_cmd(questions_paths, sample, seed, model_name, model_dtype, store_uris, ratios, selectors, method_specs, signal,
              check_layers, sink, gap, context, lead, n_tokens, answer_tokens, question_format, repeats,
              time_sequential, cache_dir, fresh, namespace, json_out):
     """Measure how faithful blending is to full prefill on your own questions: how often the answer
@@ -141,11 +144,19 @@ def eval_cmd(questions_paths, sample, seed, model_name, model_dtype, store_uris,
     from ragkv.blend import BlendConfig
     from ragkv.blend.config import DEFAULT_RATIO, DEFAULT_SELECTOR
     from ragkv.evalcache import EvalCache
-    from ragkv.evaluate import evaluate, format_table, sample_questions
+    from ragkv.evaluate import evaluate, format_table, parse_methods, sample_questions
     from ragkv.gguf import ragkv_home
 
     ratio_list = ratios_of(f"0,{DEFAULT_RATIO}" if ratios is None else ratios)
     sels = _selectors(DEFAULT_SELECTOR if selectors is None else selectors, signal, check_layers)
+    methods = None
+    if method_specs is not None:
+        if ratios is not None or selectors is not None:
+            raise click.UsageError("give --methods or --selectors/--ratios, not both")
+        try:
+            methods = parse_methods(method_specs)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--methods") from None
     names = [Path(p).stem for p in questions_paths]
     if len(set(names)) < len(names):
         raise click.BadParameter(f"two questions files share a name ({', '.join(names)}): each names its "
@@ -167,7 +178,7 @@ def eval_cmd(questions_paths, sample, seed, model_name, model_dtype, store_uris,
         try:
             report = evaluate(engine, qs, ratios=ratio_list, n_tokens=n_tokens, max_new_tokens=answer_tokens,
                               repeats=repeats, progress=_Progress(f" ({', '.join(names)})"), selectors=sels,
-                              cache=cache, time_sequential=time_sequential)
+                              cache=cache, time_sequential=time_sequential, methods=methods)
         except ValueError as e:  # e.g. a check layer beyond the model's depth
             raise click.ClickException(str(e)) from None
     report["model"], report["model_dtype"], report["store"] = model_name, str(engine.adapter.dtype), store.uri
