@@ -216,6 +216,7 @@ def evaluate(
     report = summarize(done, ["full", *methods], n_tokens, answers)
     report.update({"questions": len(done), "n_tokens": n_tokens, "max_new_tokens": n_new,
                    "question_format": engine.template.question_format, "errors": errors,
+                   "method_settings": {label: [selector_label(sel), r] for label, (sel, r) in methods.items()},
                    "machine": machine_id(), "cache": {"root": None if cache.root is None else str(cache.root),
                                                       "hits": cache.hits, "writes": cache.writes}})
     return report
@@ -242,7 +243,8 @@ class _Run:
         ref = self.cache.get("ref", rkey) or self.cache.put("ref", rkey, self._reference(prompt, budget))
         out, ensured = {"full": ref}, False
         for label, (selector, r) in self.methods.items():
-            mkey = digest({**self.method_base, "ref": rkey, "selector": repr(selector), "ratio": r})
+            # (naive reuse is one method whatever selector names it: nothing is selected at ratio 0)
+            mkey = digest({**self.method_base, "ref": rkey, "selector": "none" if r == 0 else repr(selector), "ratio": r})
             rec = self.cache.get("method", mkey)
             if rec is None:
                 if not ensured:  # precompute what is missing: not timed

@@ -693,16 +693,17 @@ def test_query_probe_reads_each_stored_layer_once(monkeypatch):
     assert res.stats.hits == 3 and len(layer_reads) == len(set(layer_reads)) == 4 * model.config.num_hidden_layers
 
 
-def test_every_entry_point_defaults_to_the_selector_measured_for_its_prompts():
-    """BlendConfig and `ragkv eval` (ragkv's own layout) share one default selector; `ragkv serve` and
-    the vLLM connector, which serve chats with system prompts of their own, share the chat one."""
+def test_every_entry_point_defaults_to_the_one_default_selector():
+    """BlendConfig, `ragkv eval`, `ragkv serve` and the vLLM connector share one default selector
+    (`ragkv eval` resolves its own when run: test_eval_cache)."""
     from ragkv.blend.config import CHAT_SELECTOR, DEFAULT_SELECTOR
     from ragkv.cli import eval_cmd
     from ragkv.integrations.serve.cli import serve
     from ragkv.integrations.vllm.engines import ConnectorSettings
 
     assert isinstance(BlendConfig().selector, SELECTORS[DEFAULT_SELECTOR])
-    assert next(p.default for p in eval_cmd.params if p.name == "selectors") == DEFAULT_SELECTOR
+    assert "DEFAULT_SELECTOR" in next(p.help for p in eval_cmd.params if p.name == "selectors")
+    assert CHAT_SELECTOR == DEFAULT_SELECTOR == "query"
     assert next(p.default for p in serve.params if p.name == "selector") == CHAT_SELECTOR
     assert ConnectorSettings(store="memory://").selector == CHAT_SELECTOR
     assert CHAT_SELECTOR in SELECTORS

@@ -155,6 +155,8 @@ def test_eval_cli_samples_each_file_and_resumes_from_its_cache(tmp_path, tiny_sm
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["questions"] == 4 and set(report["methods"]) == {"full", "0", "0.15"}  # naive + the default
+    from ragkv.blend.config import DEFAULT_RATIO, DEFAULT_SELECTOR
+    assert report["method_settings"]["0.15"] == [DEFAULT_SELECTOR, DEFAULT_RATIO]
     assert {"hotpot", "wiki", "hotpot/bridge"} <= set(report["groups"]) and "ETA" in r.output
     assert "2/4 questions" in r.output and "(0 from the cache)" in r.output
     r = CliRunner().invoke(main, args)
@@ -184,10 +186,10 @@ def test_explicit_methods_are_parsed_with_their_labels():
     from ragkv.evaluate import methods_of, parse_methods
 
     got = parse_methods("0 deviation@0.15  query:correct=v@0.3 1")
-    assert got == {"0": (DeviationSelector(), 0.0), "deviation@0.15": (DeviationSelector(), 0.15),
-                   "query:correct=v@0.3": (QuerySelector(correct="v"), 0.3), "1": (DeviationSelector(), 1.0)}
+    assert got == {"0": (QuerySelector(), 0.0), "deviation@0.15": (DeviationSelector(), 0.15),
+                   "query:correct=v@0.3": (QuerySelector(correct="v"), 0.3), "1": (QuerySelector(), 1.0)}
     # the labels (and so the cached records) are those of the same methods given as --selectors x --ratios
-    grid = methods_of(["deviation", QuerySelector(correct="v")], [0.0, 0.3])
+    grid = methods_of(["query", QuerySelector(correct="v")], [0.0, 0.3])
     assert grid["0"] == got["0"] and grid["query:correct=v@0.3"] == got["query:correct=v@0.3"]
     for bad, needle in (("0.15", "name its selector"), ("query@2", "must be a number in"), ("", "at least one"),
                         ("psychic@0.1", "unknown selector")):

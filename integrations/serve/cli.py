@@ -38,7 +38,7 @@ def _size(ctx, param, value: str) -> int:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--ratio", default="0.15", show_default=True, callback=ratio,
               help="fraction of reused chunk tokens recomputed: 0..1 (1 = full prefill) or 'auto'")
-@click.option("--selector", default="query", show_default=True,  # (ragkv.blend.config.CHAT_SELECTOR)
+@click.option("--selector", default="query", show_default=True,  # (ragkv.blend.config.DEFAULT_SELECTOR)
               help="which chunk tokens are recomputed (deviation, query, starts)")
 @click.option("--max-queue", default=32, show_default=True, type=click.IntRange(1, None),
               help="requests admitted at once (running or waiting); more get 429 + Retry-After")

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from ragkv.blend.select import DeviationSelector, Selector, make_selector
 
 DEFAULT_RATIO = 0.15
-DEFAULT_SELECTOR = "deviation"  # measured in benchmarks/blend (RESULTS.md)
-# what the chat servers (``ragkv serve``, the vLLM connector) select with: in a chat with a system
-# prompt of its own, `query` is more faithful than `deviation` at equal cost (+0.020 paired on the dev
-# split); in ragkv's own layout the two are at parity (both in benchmarks/blend/RESULTS.md)
-CHAT_SELECTOR = "query"
+# one default for every layout and entry point (the engine, `ragkv eval`, the HF wrapper, `ragkv serve`,
+# the vLLM connector): `query` gives full prefill's answer more often than `deviation` on each of the
+# three multi-hop QA sets (benchmarks/qa/RESULTS.md), is more faithful in chats with a system prompt of
+# their own and at parity in ragkv's own layout (benchmarks/blend/RESULTS.md)
+DEFAULT_SELECTOR = "query"
+CHAT_SELECTOR = DEFAULT_SELECTOR  # what the chat servers select with: the same
 DEFAULT_RATIO_FLOOR = 0.15  # the quality floor of ratio="auto"
 
 

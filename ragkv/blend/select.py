@@ -233,11 +233,11 @@ class StartsSelector(Selector):
         return Schedule(torch.argsort(rank)[:n].sort().values, {})
 
 
-# the strategies a user chooses from, each justified by a measurement (benchmarks/blend/RESULTS.md):
-# deviation (the engine's default: best fidelity at r = 0.15 in fp32 in ragkv's own layout), query
-# (best in bf16 on the AMX host, and the chat servers' default: best in chats with a system prompt of
-# their own), starts (nothing to choose at run time: the fastest, for low ratios); the defaults are
-# ragkv.blend.config's DEFAULT_SELECTOR and CHAT_SELECTOR
+# the strategies a user chooses from, each justified by a measurement (benchmarks/blend/RESULTS.md,
+# benchmarks/qa/RESULTS.md): query (the default, ragkv.blend.config.DEFAULT_SELECTOR: full prefill's
+# answers most often on multi-hop QA, and the most faithful in chats), deviation (CacheBlend's; at
+# parity in fidelity in ragkv's own layout in fp32), starts (nothing to choose at run time: the
+# fastest, for low ratios)
 SELECTORS: dict[str, type[Selector]] = {
     DeviationSelector.name: DeviationSelector,
     QuerySelector.name: QuerySelector,
