@@ -57,8 +57,6 @@ class FusedCache:
         # the re-rotation of the plain keys: the same deltas in every layer, so the per-token deltas
         # and the kernel's tables are built once per request (per set of fused segments)
         self._rotation: tuple | None = None  # (key, delta [hi - lo], tables)
-        self.correct_v = False  # Schedule.correct_v: see update
-        self._spans: list[list[tuple[int, int]]] = [[] for _ in range(adapter.num_layers)]
 
     def fuse(self, li: int, parts: Sequence[tuple[Segment, StoredLayer | tuple]]) -> None:
         """Build layer li's fused K/V from (segment, its layer li) pairs: a StoredLayer read from the
@@ -70,7 +68,6 @@ class FusedCache:
         v_all = torch.empty(shape, dtype=self.dtype, device=self.device)
         inv = self.inv_freq
         lo, hi, deltas = self.total, 0, []  # the span of plain (unquantized) keys still to re-rotate
-        self._spans[li] = [(seg.start, seg.end) for seg, _ in parts if not seg.is_prefix and not seg.lead]
         for seg, item in parts:
             n = len(seg.ids)
             dst_k, dst_v = k_all[0, :, seg.start : seg.end], v_all[0, :, seg.start : seg.end]
@@ -111,17 +108,7 @@ class FusedCache:
 
     def update(self, li: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor, positions: torch.Tensor):
         """The fresh K/V [1, kv_heads, n, head_dim] of the rows at ``positions`` [n], scattered over
-        layer li's fused K/V; -> the whole fused K/V [1, kv_heads, T, head_dim] to attend over.
-        With ``correct_v``, each stored chunk's other rows first move by the mean V deviation (fresh -
-        stored) of its rows among ``positions``: the part of the missing cross-chunk context the
-        chunk's tokens share."""
-        if self.correct_v and self._spans[li]:
-            v_all, fresh = self.values[li][0], fresh_v[0]
-            for start, end in self._spans[li]:
-                inside = (positions >= start) & (positions < end)
-                if bool(inside.any()):
-                    dv = (fresh[:, inside].float() - v_all[:, positions[inside]].float()).mean(1, keepdim=True)
-                    v_all[:, start:end] += dv.to(v_all.dtype)
+        layer li's fused K/V; -> the whole fused K/V [1, kv_heads, T, head_dim] to attend over."""
         ops.scatter_rows(self.keys[li][0], fresh_k[0], positions)
         ops.scatter_rows(self.values[li][0], fresh_v[0], positions)
         return self.keys[li], self.values[li]

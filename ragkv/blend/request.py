@@ -73,7 +73,6 @@ class BlendRequest:
             ts = time.perf_counter()
             schedule = self.config.selector.schedule(replace(self.selection, probe=self._probe))
             stats.t_select = time.perf_counter() - ts
-            self.cache.correct_v = schedule.correct_v
             self._set_active(self._initial(schedule.start))
             hidden = a.embed(self.input_ids[:, self.active])
             first = 0 if schedule.start.numel() < self.C else min(schedule.checks, default=a.num_layers)

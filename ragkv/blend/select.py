@@ -25,7 +25,6 @@ import torch
 from ragkv.kernels import dispatch as ops
 
 SIGNALS = ("k", "v", "kv")
-CORRECTIONS = ("none", "v")
 DEFAULT_CHECK_LAYERS = (1, 3, 6)  # gradual filtering; measured in benchmarks/blend
 
 # fresh_k, cached_k, fresh_v, cached_v [kv_heads, n, head_dim] (None where unused) -> [n] scores
@@ -74,9 +73,6 @@ class Schedule:
     start: torch.Tensor  # [n0] int64 sorted chunk rows active from layer 0
     checks: dict[int, int]  # layer -> chunk rows kept after it (by deviation)
     score: Scorer | None = None  # how deviation is scored at the check layers
-    # correct the stored V of a chunk's rows that are not recomputed by the mean deviation (fresh -
-    # stored) of its rows that are, layer by layer (FusedCache.update)
-    correct_v: bool = False
 
 
 class Selector(ABC):
@@ -168,7 +164,6 @@ class QuerySelector(Selector):
     name: ClassVar[str] = "query"
     rows: int | None = 8
     offset_decay: float = 1.0
-    correct: str = "none"  # "v": Schedule.correct_v
 
     def __post_init__(self):
         if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1):
@@ -176,8 +171,6 @@ class QuerySelector(Selector):
         d = self.offset_decay
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < math.inf:
             raise ValueError(f"offset_decay must be a number >= 0, got {d!r}")
-        if self.correct not in CORRECTIONS:
-            raise ValueError(f"correct must be one of {', '.join(CORRECTIONS)}, got {self.correct!r}")
 
     def schedule(self, req: SelectionRequest) -> Schedule:
         if req.ratio == 0.0 or req.chunk_len == 0:
@@ -185,8 +178,7 @@ class QuerySelector(Selector):
         n = req.keep(req.ratio)
         if n == req.chunk_len:  # everything is recomputed: no probe needed
             return Schedule(torch.arange(req.chunk_len), {})
-        return Schedule(torch.topk(self.scores(req), n).indices.sort().values.cpu(), {},
-                        correct_v=self.correct == "v")
+        return Schedule(torch.topk(self.scores(req), n).indices.sort().values.cpu(), {})
 
     def scores(self, req: SelectionRequest) -> torch.Tensor:
         """[C] the question's attention to each chunk token, weighted by its offset in its chunk."""
