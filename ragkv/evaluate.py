@@ -138,7 +138,7 @@ def methods_of(selectors: Sequence[Selector | str], ratios: Sequence[float | str
 def parse_methods(text: str) -> dict[str, tuple]:
     """label -> (selector, ratio) from explicit methods, space-separated: ``0`` (naive reuse), ``1``
     (everything recomputed), ``<selector>@<ratio>`` with the selector as ``parse_selector`` reads it
-    (``query:correct=v@0.15``). Labels are as ``methods_of`` gives them for several selectors."""
+    (``query:rows=16@0.15``). Labels are as ``methods_of`` gives them for several selectors."""
     from ragkv.blend.config import DEFAULT_SELECTOR, parse_ratio
     from ragkv.blend.select import parse_selector
 

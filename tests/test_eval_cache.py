@@ -185,12 +185,12 @@ def test_explicit_methods_are_parsed_with_their_labels():
     from ragkv.blend.select import DeviationSelector, QuerySelector
     from ragkv.evaluate import methods_of, parse_methods
 
-    got = parse_methods("0 deviation@0.15  query:correct=v@0.3 1")
+    got = parse_methods("0 deviation@0.15  query:rows=16@0.3 1")
     assert got == {"0": (QuerySelector(), 0.0), "deviation@0.15": (DeviationSelector(), 0.15),
-                   "query:correct=v@0.3": (QuerySelector(correct="v"), 0.3), "1": (QuerySelector(), 1.0)}
+                   "query:rows=16@0.3": (QuerySelector(rows=16), 0.3), "1": (QuerySelector(), 1.0)}
     # the labels (and so the cached records) are those of the same methods given as --selectors x --ratios
-    grid = methods_of(["query", QuerySelector(correct="v")], [0.0, 0.3])
-    assert grid["0"] == got["0"] and grid["query:correct=v@0.3"] == got["query:correct=v@0.3"]
+    grid = methods_of(["query", QuerySelector(rows=16)], [0.0, 0.3])
+    assert grid["0"] == got["0"] and grid["query:rows=16@0.3"] == got["query:rows=16@0.3"]
     for bad, needle in (("0.15", "name its selector"), ("query@2", "must be a number in"), ("", "at least one"),
                         ("psychic@0.1", "unknown selector")):
         with pytest.raises(ValueError, match=needle):

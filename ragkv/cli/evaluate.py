@@ -103,7 +103,7 @@ def _hms(seconds: float) -> str:
                    "[default: the default one, ragkv.blend.config.DEFAULT_SELECTOR]")
 @click.option("--methods", "method_specs", default=None,
               help="Explicit methods instead of --selectors x --ratios, space-separated: 0 (naive reuse), 1, "
-                   "<selector>@<ratio> (e.g. '0 deviation@0.15 query:correct=v@0.3').")
+                   "<selector>@<ratio> (e.g. '0 deviation@0.15 query:rows=16@0.3').")
 @click.option("--signal", type=click.Choice(["v", "k", "kv"]), default="v", show_default=True,
               help="deviation selector: which deviation scores tokens.")
 @click.option("--check-layers", default=None, help="deviation selector: check layers (default: 1,3,6 gradual).")
