@@ -168,7 +168,7 @@ def test_bad_options_fail_before_any_work(tmp_path):
                          (["--json", str(tmp_path / "no" / "dir" / "r.json")], "does not exist"),
                          (["--json", str(tmp_path)], "is a directory"),
                          (["--ratios", "0.1,x"], "--ratios"), (["--selectors", "psychic"], "unknown selector"),
-                         (["--check-layers", "-1"], ">= 0"),
+                         (["--check-layers", "-1"], ">= 0"), (["--check-layers", "1,3"], "name it in --selectors"),
                          (["--question-format", "Answer briefly."], "must contain {question} once"),
                          (["--question-format", "{question} in {lang}"], "not a format with only {question}")):
         r = CliRunner().invoke(main, ["eval", "--questions", str(q), "--store", "memory", *args])

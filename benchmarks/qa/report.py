@@ -53,8 +53,11 @@ def method_table(methods: dict[str, dict], default: str | None) -> list[str]:
 
 def table(name: str, report: dict) -> str:
     meta = report["meta"]
-    default = next((label for label in report["methods"] if label.endswith("@0.15") and label.startswith("deviation")),
-                   "0.15" if "0.15" in report["methods"] else None)
+    from ragkv.blend.config import DEFAULT_RATIO, DEFAULT_SELECTOR
+
+    settings = report.get("method_settings", {})
+    default = next((label for label, (sel, r) in settings.items() if sel == DEFAULT_SELECTOR and r == DEFAULT_RATIO),
+                   None)
     lines = [f"# {name}", "", f"- model: {report['model']} ({report['model_dtype'].removeprefix('torch.')}), {report['questions']} questions "
              f"({', '.join(meta['datasets'])}; sample {report.get('sample') or 'all'}, seed {report.get('seed')})",
              f"- host: {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, {meta['date']}, "

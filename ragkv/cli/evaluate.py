@@ -35,23 +35,32 @@ def _question_format(text: str) -> str:
 
 def _selectors(names: str, signal: str, check_layers: str | None) -> list:
     """Selector instances for --selectors (each ``name`` or ``name:field=value:...``); --signal and
-    --check-layers configure a plain ``deviation``."""
+    --check-layers configure a plain ``deviation``, which must then be among them."""
     from dataclasses import replace
 
     from ragkv.blend.select import DeviationSelector, parse_selector
 
+    layers = None
+    if check_layers is not None:
+        try:
+            layers = tuple(int(x) for x in check_layers.split(",") if x.strip())
+            DeviationSelector(check_layers=layers)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--check-layers") from None
     out = []
     for spec in (n.strip() for n in names.split(",") if n.strip()):
         try:
             sel = parse_selector(spec)
-            if spec == DeviationSelector.name:
-                layers = None if check_layers is None else tuple(int(x) for x in check_layers.split(",") if x.strip())
-                sel = replace(sel, check_layers=layers, signal=signal)
         except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--check-layers" if "check" in str(e) else "--selectors") from None
+            raise click.BadParameter(str(e), param_hint="--selectors") from None
+        if spec == DeviationSelector.name:
+            sel = replace(sel, check_layers=layers, signal=signal)
         out.append(sel)
     if not out:
         raise click.BadParameter("give at least one selector", param_hint="--selectors")
+    if check_layers is not None and not any(spec.strip() == DeviationSelector.name for spec in names.split(",")):
+        raise click.BadParameter("--check-layers configures the deviation selector: name it in --selectors "
+                                 "(e.g. --selectors deviation)", param_hint="--check-layers")
     return out
 
 
