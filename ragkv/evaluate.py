@@ -217,7 +217,7 @@ def evaluate(
     report.update({"questions": len(done), "n_tokens": n_tokens, "max_new_tokens": n_new,
                    "question_format": engine.template.question_format, "errors": errors,
                    "method_settings": {label: [selector_label(sel), r] for label, (sel, r) in methods.items()},
-                   "machine": machine_id(), "cache": {"root": None if cache.root is None else str(cache.root),
+                   "machine": run.ref_base["machine"], "cache": {"root": None if cache.root is None else str(cache.root),
                                                       "hits": cache.hits, "writes": cache.writes}})
     return report
 

@@ -93,10 +93,11 @@ class Prefiller:
                         log.warning("write-back of %s failed: %s", entries[i][0], e)
         return out
 
-    def ensure(self, contexts: Sequence[str]) -> tuple[list[str], int]:
+    def ensure(self, contexts: Sequence[str], pool: Sequence[Sequence[int]] | None = None) -> tuple[list[str], int]:
         """Make sure every context's entries are in the store (its chunk entry and, under ``lead``,
         its lead entry, as the precompute job writes them); -> (the chunks' keys, number of chunks
-        with an entry computed)."""
+        with an entry computed). ``pool``: the chunks (token ids) neighbours are chosen from
+        (default: the contexts' own)."""
         chunks = self.template.chunks(contexts, self.adapter.max_positions)
         keys, missing, computed = [], [], 0
         for ids in chunks:
@@ -106,7 +107,7 @@ class Prefiller:
             missing += todo
             computed += bool(todo)
         if missing:
-            self.compute(missing, pool=chunks)
+            self.compute(missing, pool=chunks if pool is None else pool)
         return keys, computed
 
 

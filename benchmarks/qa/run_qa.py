@@ -71,18 +71,11 @@ def precompute(args, dtype: str, store: str) -> None:
             corpus = pre.template.chunks([c for q in all_qs for c in q.contexts], pre.adapter.max_positions)
             qs = sample_questions(all_qs, args.sample, args.seed)
             t0, done = time.time(), 0
-            for lo in range(0, len(qs), 8):  # a few questions per forward batch: bounded memory
-                entries, seen = [], set()
-                for q in qs[lo : lo + 8]:
-                    for ids in pre.template.chunks(q.contexts, pre.adapter.max_positions):
-                        for key, kind in pre.keys.entry_keys(ids):
-                            if key not in seen and not st.contains(key):
-                                seen.add(key)
-                                entries.append((key, ids, kind))
-                if entries:
-                    pre.compute(entries, pool=corpus)
-                done += len(entries)
-                print(f"  precompute {name}: {min(lo + 8, len(qs))}/{len(qs)} questions, {done} entries computed, "
+            for lo in range(0, len(qs), 8):  # a few questions per call: bounded memory
+                texts = list(dict.fromkeys(c for q in qs[lo : lo + 8] for c in q.contexts))  # (shared paragraphs once)
+                _, computed = pre.ensure(texts, pool=corpus)
+                done += computed
+                print(f"  precompute {name}: {min(lo + 8, len(qs))}/{len(qs)} questions, {done} chunks computed, "
                       f"{time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
